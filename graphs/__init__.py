@@ -1,0 +1,1 @@
+"""Decode-step capture per batch bucket (installed as `inkling_compiled.graphs`)."""

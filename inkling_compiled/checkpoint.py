@@ -1,0 +1,295 @@
+"""Checkpoint reading: safetensors (single file or sharded), two name layouts, shapes checked.
+
+Layouts (see docs in README):
+- transformers names (`model.layers.{i}.self_attn.q_proj.weight`, ...), optionally under
+  `model.language_model.` as the multimodal transformers class saves them;
+- original names under `model.llm.` with row-interleaved fused gate/up tensors. Tensors of the
+  vision and audio towers and the MTP head are skipped with a one-line report.
+
+Tensors are read one at a time from memory-mapped files and handed straight to the model
+(`load_state_dict(assign=True)`), so at no point are two copies of the weights alive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from .config import InklingConfig
+from .errors import CheckpointError
+
+log = logging.getLogger("inkling_compiled")
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Prefixes of tensors that belong to other towers of a multimodal checkpoint.
+OTHER_TOWERS = {
+    "model.visual.": "vision", "model.vision_tower.": "vision",
+    "model.audio.": "audio", "model.audio_tower.": "audio",
+    "model.mtp.": "mtp",
+}
+
+
+def expected_shapes(config: InklingConfig) -> dict[str, tuple[int, ...]]:
+    """Every text-tower tensor in transformers names, with the shape the config implies."""
+    H, K, V = config.hidden_size, config.conv_kernel_size, config.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (V, H),
+        "model.embed_tokens.embed_norm.weight": (H,),
+        "model.norm.weight": (H,),
+        "lm_head.weight": (V, H),
+    }
+    for i in range(config.num_hidden_layers):
+        g, p = config.geometry(i), f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (g.q_width, H),
+            p + "self_attn.k_proj.weight": (g.kv_width, H),
+            p + "self_attn.v_proj.weight": (g.kv_width, H),
+            p + "self_attn.r_proj.weight": (g.num_heads * config.d_rel, H),
+            p + "self_attn.o_proj.weight": (H, g.q_width),
+            p + "self_attn.q_norm.weight": (g.head_dim,),
+            p + "self_attn.k_norm.weight": (g.head_dim,),
+            p + "self_attn.k_sconv.conv1d.weight": (g.kv_width, 1, K),
+            p + "self_attn.v_sconv.conv1d.weight": (g.kv_width, 1, K),
+            p + "self_attn.rel_logits_proj.proj": (config.d_rel, g.rel_extent),
+            p + "attn_sconv.conv1d.weight": (H, 1, K),
+            p + "mlp_sconv.conv1d.weight": (H, 1, K),
+        })
+        if config.is_sparse(i):
+            E, S, I = config.n_routed_experts, config.n_shared_experts, config.moe_intermediate_size
+            shapes.update({
+                p + "mlp.gate.weight": (E + S, H),
+                p + "mlp.gate.global_scale": (1,),
+                p + "mlp.gate.e_score_correction_bias": (E,),
+                p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
+                p + "mlp.experts.down_proj": (E, H, I),
+                p + "mlp.shared_experts.gate_proj": (S, I, H),
+                p + "mlp.shared_experts.up_proj": (S, I, H),
+                p + "mlp.shared_experts.down_proj": (S, H, I),
+            })
+        else:
+            I = config.intermediate_size
+            shapes.update({
+                p + "mlp.gate_proj.weight": (I, H),
+                p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I),
+                p + "mlp.global_scale": (1,),
+            })
+    return shapes
+
+
+# ---- the original ("model.llm.*") layout -------------------------------------------------------
+
+# Per-layer renames, original suffix -> transformers suffix.
+_ORIGINAL_RENAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "attn.wq_du.weight": "self_attn.q_proj.weight",
+    "attn.wk_dv.weight": "self_attn.k_proj.weight",
+    "attn.wv_dv.weight": "self_attn.v_proj.weight",
+    "attn.wr_du.weight": "self_attn.r_proj.weight",
+    "attn.wo_ud.weight": "self_attn.o_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "attn.k_sconv.weight": "self_attn.k_sconv.conv1d.weight",
+    "attn.v_sconv.weight": "self_attn.v_sconv.conv1d.weight",
+    "attn.rel_logits_proj.proj": "self_attn.rel_logits_proj.proj",
+    "attn_sconv.weight": "attn_sconv.conv1d.weight",
+    "mlp_sconv.weight": "mlp_sconv.conv1d.weight",
+    "mlp.w2_md.weight": "mlp.down_proj.weight",
+    "mlp.global_scale": "mlp.global_scale",
+    "mlp.gate.weight": "mlp.gate.weight",
+    "mlp.gate.bias": "mlp.gate.e_score_correction_bias",
+    "mlp.gate.global_scale": "mlp.gate.global_scale",
+    "mlp.experts.w2_weight": "mlp.experts.down_proj",
+    "mlp.shared_experts.shared_w2_weight": "mlp.shared_experts.down_proj",
+}
+# Fused, row-interleaved [g0, u0, g1, u1, ...] tensors: original suffix -> (dim, targets).
+# One target keeps the result fused as [gate; up]; two targets split it.
+_ORIGINAL_INTERLEAVED = {
+    "mlp.w13_dn.weight": (0, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.experts.w13_weight": (1, ("mlp.experts.gate_up_proj",)),
+    "mlp.shared_experts.shared_w13_weight": (1, ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
+}
+_ORIGINAL_TOP = {
+    "model.llm.embed.weight": "model.embed_tokens.weight",
+    "model.llm.embed_norm.weight": "model.embed_tokens.embed_norm.weight",
+    "model.llm.norm.weight": "model.norm.weight",
+    "model.llm.unembed.weight": "lm_head.weight",
+}
+_ORIGINAL_LAYER = re.compile(r"model\.llm\.layers\.(\d+)\.(.+)")
+
+
+def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[g0, u0, g1, u1, ...] along dim -> [g0, g1, ..., u0, u1, ...]."""
+    n = t.shape[dim]
+    if n % 2:
+        raise CheckpointError(f"interleaved gate/up tensor has odd size {n} along dim {dim}")
+    shape = t.shape[:dim] + (n // 2, 2) + t.shape[dim + 1:]
+    return t.reshape(shape).transpose(dim, dim + 1).reshape(t.shape).contiguous()
+
+
+def interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of `deinterleave` (used to write original-layout checkpoints)."""
+    n = t.shape[dim]
+    shape = t.shape[:dim] + (2, n // 2) + t.shape[dim + 1:]
+    return t.reshape(shape).transpose(dim, dim + 1).reshape(t.shape).contiguous()
+
+
+def original_to_transformers(name: str) -> tuple[list[str], Callable[[torch.Tensor], list[torch.Tensor]]] | None:
+    """Maps one original-layout name to its transformers name(s) and the conversion; None if unknown."""
+    if name in _ORIGINAL_TOP:
+        return [_ORIGINAL_TOP[name]], lambda t: [t]
+    m = _ORIGINAL_LAYER.fullmatch(name)
+    if not m:
+        return None
+    prefix, suffix = f"model.layers.{m.group(1)}.", m.group(2)
+    if suffix in _ORIGINAL_RENAMES:
+        return [prefix + _ORIGINAL_RENAMES[suffix]], lambda t: [t]
+    if suffix in _ORIGINAL_INTERLEAVED:
+        dim, targets = _ORIGINAL_INTERLEAVED[suffix]
+        if len(targets) == 1:
+            return [prefix + targets[0]], lambda t: [deinterleave(t, dim)]
+        return [prefix + x for x in targets], lambda t: list(deinterleave(t, dim).chunk(2, dim=dim))
+    return None
+
+
+def transformers_to_original(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Writes a transformers-named state dict in the original layout (fused + interleaved)."""
+    out: dict[str, torch.Tensor] = {}
+    top = {v: k for k, v in _ORIGINAL_TOP.items()}
+    renames = {v: k for k, v in _ORIGINAL_RENAMES.items()}
+    for name, t in tensors.items():
+        if name in top:
+            out[top[name]] = t
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        assert m, name
+        prefix, suffix = f"model.llm.layers.{m.group(1)}.", m.group(2)
+        if suffix in renames:
+            out[prefix + renames[suffix]] = t
+    for i in {int(re.match(r"model\.layers\.(\d+)", n).group(1)) for n in tensors if n.startswith("model.layers.")}:
+        p = f"model.layers.{i}."
+        for orig, (dim, targets) in _ORIGINAL_INTERLEAVED.items():
+            parts = [tensors.get(p + x) for x in targets]
+            if all(x is not None for x in parts):
+                out[f"model.llm.layers.{i}." + orig] = interleave(torch.cat(parts, dim=dim), dim)
+    return out
+
+
+# ---- reading files -----------------------------------------------------------------------------
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        if missing := [f.name for f in files if not f.is_file()]:
+            raise CheckpointError(f"{index} names shard files that do not exist: {missing}")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+
+
+def iter_file_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """Yields (name, loader) for every tensor; a loader reads that one tensor from the mmap."""
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt")
+            names = list(handle.keys())
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"cannot read safetensors file {f.name}: {e}") from None
+
+        def load(name: str, handle=handle, f=f) -> torch.Tensor:
+            try:
+                return handle.get_tensor(name)
+            except Exception as e:
+                raise CheckpointError(f"cannot read tensor {name!r} from {f.name} (truncated file?): {e}") from None
+
+        for name in names:
+            yield name, (lambda name=name, load=load: load(name))
+
+
+def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable[[str, torch.Tensor], torch.Tensor]
+                      ) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Reads the text tower in transformers names, each tensor passed through `convert(name, t)`.
+
+    Returns the tensors and a one-line report of skipped tower tensors (None if nothing was
+    skipped). Raises one CheckpointError that lists every missing, unexpected and mis-shaped tensor.
+    """
+    path = Path(path)
+    files = checkpoint_files(path)
+    expected = expected_shapes(config)
+    out: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    bad_shape: list[str] = []
+    skipped: Counter[str] = Counter()
+
+    for name, load in iter_file_tensors(files):
+        tower = next((kind for prefix, kind in OTHER_TOWERS.items() if name.startswith(prefix)), None)
+        if tower:
+            skipped[tower] += 1
+            continue
+        if name.startswith("model.llm."):
+            mapped = original_to_transformers(name)
+            if mapped is None:
+                unexpected.append(name)
+                continue
+            targets, conversion = mapped
+        else:
+            hf = name.replace("model.language_model.", "model.", 1)
+            if hf not in expected:
+                unexpected.append(name)
+                continue
+            targets, conversion = [hf], (lambda t: [t])
+        tensor = load()
+        for target, part in zip(targets, conversion(tensor)):
+            want = expected.get(target)
+            got = tuple(part.shape)
+            if want is None:
+                unexpected.append(name)
+            elif got != want and not _is_unpadded_head(target, got, config):
+                bad_shape.append(f"{target} (from {name}): expected {list(want)}, got {list(got)}")
+            else:
+                out[target] = convert(target, part)
+        del tensor
+
+    missing = sorted(set(expected) - set(out))
+    if missing or unexpected or bad_shape:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s): {_preview(missing)}")
+        if bad_shape:
+            parts.append(f"wrong shape for {len(bad_shape)} tensor(s): {_preview(bad_shape)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s): {_preview(sorted(unexpected))}")
+        raise CheckpointError(f"checkpoint {path} does not match its config: " + "; ".join(parts))
+    report = None
+    if skipped:
+        report = "skipped non-text tensors: " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+        log.info(report)
+    return out, report
+
+
+def _is_unpadded_head(name: str, shape: tuple[int, ...], config: InklingConfig) -> bool:
+    # The original layout may store the unembedding unpadded: only the first unpadded rows are used.
+    return name == "lm_head.weight" and shape == (config.logits_vocab_size, config.hidden_size)
+
+
+def _preview(items: list[str], limit: int = 12) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")

@@ -1,0 +1,275 @@
+"""The Inkling text model: math only.
+
+Tokens are packed: every tensor is `[T, ...]` over the T tokens of one forward, whatever requests
+they belong to. Anything that depends on where a token sits (its position, its sequence, its conv
+history, its keys and values) is asked of a *forward context* passed down the layers:
+
+    ctx.short_conv(x32, weight, layer_id, stream) -> conv(x32) without residual, fp32
+    ctx.attention(layer_id, geometry, q, k, v, r, rel_proj) -> [T, nh, hd]
+
+`FullSequenceContext` (below) runs sequences from scratch; the serving engine's step backend gives
+the same two calls over its state pool. Parameter names equal transformers' module names, so a
+transformers state dict loads as is (see `checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inkling_compiled.custom_ops.reference import packed_causal_conv
+
+from .attention import attend_dense
+from .config import InklingConfig, LayerGeometry
+
+# Conv streams of a layer, in transformers' cache order (conv_idx).
+K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM = 0, 1, 2, 3
+STREAM_NAMES = ("k", "v", "attn", "mlp")
+
+# Tensors transformers keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`).
+FP32_SUFFIXES = ("sconv.conv1d.weight", "gate.e_score_correction_bias", "gate.global_scale")
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_SUFFIXES)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class _Tensor(nn.Module):
+    """Holds one named parameter, so state-dict names match transformers (`conv1d.weight`, `proj`)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...]):
+        super().__init__()
+        self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv with its own residual, computed in fp32: out = x + conv(x)."""
+
+    def __init__(self, channels: int, kernel: int, layer_id: int, stream: int):
+        super().__init__()
+        self.conv1d = _Tensor("weight", (channels, 1, kernel))
+        self.layer_id = layer_id
+        self.stream = stream
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        x32 = x.float()
+        y = ctx.short_conv(x32, self.conv1d.weight[:, 0, :], self.layer_id, self.stream)
+        return (y + x32).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: InklingConfig, layer_id: int):
+        super().__init__()
+        g = self.geometry = config.geometry(layer_id)
+        H, K = config.hidden_size, config.conv_kernel_size
+        self.layer_id = layer_id
+        self.q_proj = nn.Linear(H, g.q_width, bias=False)
+        self.k_proj = nn.Linear(H, g.kv_width, bias=False)
+        self.v_proj = nn.Linear(H, g.kv_width, bias=False)
+        self.r_proj = nn.Linear(H, g.num_heads * config.d_rel, bias=False)
+        self.o_proj = nn.Linear(g.q_width, H, bias=False)
+        self.k_sconv = ShortConv(g.kv_width, K, layer_id, K_STREAM)
+        self.v_sconv = ShortConv(g.kv_width, K, layer_id, V_STREAM)
+        self.q_norm = RMSNorm(g.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(g.head_dim, config.rms_norm_eps)
+        self.rel_logits_proj = _Tensor("proj", (config.d_rel, g.rel_extent))
+
+    def forward(self, a: torch.Tensor, ctx) -> torch.Tensor:
+        g, T = self.geometry, a.shape[0]
+        q = self.q_norm(self.q_proj(a).view(T, g.num_heads, g.head_dim))
+        k = self.k_norm(self.k_sconv(self.k_proj(a), ctx).view(T, g.num_kv_heads, g.head_dim))
+        v = self.v_sconv(self.v_proj(a), ctx).view(T, g.num_kv_heads, g.head_dim)
+        r = self.r_proj(a).view(T, g.num_heads, -1)
+        o = ctx.attention(self.layer_id, g, q, k, v, r, self.rel_logits_proj.proj)
+        return self.o_proj(o.reshape(T, g.q_width))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, config: InklingConfig):
+        super().__init__()
+        H, I = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+        self.global_scale = nn.Parameter(torch.empty(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) * self.global_scale
+
+
+class Router(nn.Module):
+    """Sigmoid router over routed + shared experts; the correction bias only picks the top-k."""
+
+    def __init__(self, config: InklingConfig):
+        super().__init__()
+        E, S = config.n_routed_experts, config.n_shared_experts
+        self.num_routed, self.top_k, self.route_scale = E, config.num_experts_per_tok, config.route_scale
+        self.weight = nn.Parameter(torch.empty(E + S, config.hidden_size))
+        self.global_scale = nn.Parameter(torch.empty(1))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(E))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (routed expert ids [T,k], routed weights [T,k], shared weights [T,S]) in x.dtype."""
+        E = self.num_routed
+        logits = F.linear(x.float(), self.weight.float())
+        choice = logits[:, :E].sigmoid() + self.e_score_correction_bias
+        idx = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        chosen = torch.cat([logits[:, :E].gather(-1, idx), logits[:, E:]], dim=-1)
+        log_w = F.logsigmoid(chosen)
+        w = torch.exp(log_w - torch.logsumexp(log_w, dim=-1, keepdim=True))
+        w = (w * self.route_scale * self.global_scale).to(x.dtype)
+        return idx, w[:, : self.top_k], w[:, self.top_k:]
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, config: InklingConfig):
+        super().__init__()
+        E, H, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # rows [0, I) gate, [I, 2I) up
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Visits only the experts some token chose (eager: data-dependent loop)."""
+        out = torch.zeros_like(x)
+        flat_tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])
+        flat_experts, flat_w = idx.reshape(-1), w.reshape(-1)
+        for e in torch.unique(flat_experts).tolist():
+            hit = flat_experts == e
+            tokens = flat_tokens[hit]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * flat_w[hit, None]
+            out.index_add_(0, tokens, y)
+        return out
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, config: InklingConfig):
+        super().__init__()
+        S, H, I = config.n_shared_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = nn.Parameter(torch.empty(S, I, H))
+        self.up_proj = nn.Parameter(torch.empty(S, I, H))
+        self.down_proj = nn.Parameter(torch.empty(S, H, I))
+
+    def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
+        xs = x.unsqueeze(0).expand(self.gate_proj.shape[0], -1, -1)  # [S, T, H]
+        gate = torch.bmm(xs, self.gate_proj.transpose(1, 2))
+        up = torch.bmm(xs, self.up_proj.transpose(1, 2))
+        act = F.silu(gate) * up * gammas.t().unsqueeze(-1)  # gamma applies before down_proj
+        down = torch.bmm(act, self.down_proj.transpose(1, 2))
+        return down.float().sum(0).to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: InklingConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = RoutedExperts(config)
+        self.shared_experts = SharedExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, w, shared_w = self.gate(x)
+        return self.experts(x, idx, w) + self.shared_experts(x, shared_w)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: InklingConfig, layer_id: int):
+        super().__init__()
+        H, K = config.hidden_size, config.conv_kernel_size
+        self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.attn_sconv = ShortConv(H, K, layer_id, ATTN_STREAM)
+        self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
+        self.mlp = MoE(config) if config.is_sparse(layer_id) else DenseMLP(config)
+        self.mlp_sconv = ShortConv(H, K, layer_id, MLP_STREAM)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        x = x + self.attn_sconv(self.self_attn(self.input_layernorm(x), ctx), ctx)
+        return x + self.mlp_sconv(self.mlp(self.post_attention_layernorm(x)), ctx)
+
+
+class NormedEmbedding(nn.Module):
+    def __init__(self, config: InklingConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_norm(F.embedding(ids, self.weight))
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: InklingConfig):
+        super().__init__()
+        self.embed_tokens = NormedEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class InklingForCausalLM(nn.Module):
+    """Embedding -> layers -> final norm -> lm_head / mup multiplier, logits cut to the unpadded vocab."""
+
+    def __init__(self, config: InklingConfig):
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        # Only the rows that survive the unpadded-vocab cut are kept.
+        self.lm_head = _Tensor("weight", (config.logits_vocab_size, config.hidden_size))
+
+    def hidden_states(self, ids: torch.Tensor, ctx) -> torch.Tensor:
+        x = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden / self.config.logits_mup_width_multiplier, self.lm_head.weight)
+
+    def forward(self, ids: torch.Tensor, ctx) -> torch.Tensor:
+        return self.logits(self.hidden_states(ids, ctx))
+
+    @torch.no_grad()
+    def forward_sequences(self, sequences: list[list[int]] | list[torch.Tensor]) -> list[torch.Tensor]:
+        """Full-sequence forward of each sequence from scratch, packed into one pass; per-sequence logits."""
+        device = self.lm_head.weight.device
+        seqs = [torch.as_tensor(s, dtype=torch.long, device=device) for s in sequences]
+        ctx = FullSequenceContext.for_lengths([len(s) for s in seqs], self.config, device)
+        logits = self(torch.cat(seqs), ctx)
+        return list(logits.split([len(s) for s in seqs]))
+
+
+class FullSequenceContext:
+    """Forward context for sequences that start from an empty state (no cache, packed varlen)."""
+
+    def __init__(self, positions: torch.Tensor, seq_start: torch.Tensor, config: InklingConfig):
+        self.positions = positions  # [T] position of each token in its sequence
+        self.seq_start = seq_start  # [T] packed index of the first token of each token's sequence
+        self.config = config
+
+    @classmethod
+    def for_lengths(cls, lengths: list[int], config: InklingConfig, device) -> "FullSequenceContext":
+        lens = torch.tensor(lengths, dtype=torch.long, device=device)
+        starts = torch.cumsum(lens, 0) - lens
+        seq_start = starts.repeat_interleave(lens)
+        positions = torch.arange(int(lens.sum()), device=device) - seq_start
+        return cls(positions, seq_start, config)
+
+    def short_conv(self, x32: torch.Tensor, weight: torch.Tensor, layer_id: int, stream: int) -> torch.Tensor:
+        return packed_causal_conv(x32, weight, self.seq_start)
+
+    def attention(self, layer_id: int, geometry: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
+        same_seq = self.seq_start[:, None] == self.seq_start[None, :]
+        return attend_dense(self.config, geometry, q, k, v, r, rel_proj,
+                            q_pos=self.positions, k_pos=self.positions, key_mask=same_seq)

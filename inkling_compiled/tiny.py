@@ -1,0 +1,148 @@
+"""Seeded random Inkling checkpoints small enough for tests, the demo and benchmarks.
+
+Weights are drawn so that every branch of the model shows in the logits: no identity norms, no
+unit scales, no zero correction bias (transformers' default init would hide all three). The files
+are written with the safetensors library only; transformers is not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes, transformers_to_original
+from .config import InklingConfig
+from .tokenizer import write_byte_tokenizer
+
+_COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6, hidden_act="silu")
+
+TINY_CONFIGS: dict[str, dict] = {
+    # Every (sliding, global) x (dense, sparse) pair, K=4, log scaling from position 4.
+    "tiny": dict(
+        vocab_size=272, unpadded_vocab_size=264, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        swa_num_attention_heads=4, swa_num_key_value_heads=1, swa_head_dim=8,
+        sliding_window_size=8, d_rel=4, rel_extent=16, log_scaling_n_floor=4, log_scaling_alpha=0.2,
+        layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"],
+        mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+        conv_kernel_size=4, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, route_scale=8.0,
+        logits_mup_width_multiplier=4.0, **_COMMON),
+    # Kernel 3, global layer first, one shared expert, odd window and extent.
+    "tiny-k3": dict(
+        vocab_size=272, unpadded_vocab_size=261, hidden_size=48, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+        swa_num_attention_heads=3, swa_num_key_value_heads=3, swa_head_dim=16,
+        sliding_window_size=5, d_rel=3, rel_extent=11, log_scaling_n_floor=3, log_scaling_alpha=0.15,
+        layer_types=["hybrid", "hybrid_sliding", "hybrid_sliding"],
+        mlp_layer_types=["sparse", "dense", "sparse"],
+        conv_kernel_size=3, intermediate_size=80, moe_intermediate_size=24,
+        n_routed_experts=6, num_experts_per_tok=3, n_shared_experts=1, route_scale=2.5,
+        logits_mup_width_multiplier=3.0, **_COMMON),
+    # The benchmark model: hidden 512, 8 layers, 16 experts top-2 + 1 shared, vocab 4096.
+    "small": dict(
+        vocab_size=4096, unpadded_vocab_size=4000, hidden_size=512, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        swa_num_attention_heads=8, swa_num_key_value_heads=4, swa_head_dim=64,
+        sliding_window_size=64, d_rel=16, rel_extent=256, log_scaling_n_floor=64, log_scaling_alpha=0.1,
+        local_layer_ids=[0, 1, 2, 4, 5, 6], dense_mlp_idx=1,
+        conv_kernel_size=4, intermediate_size=1024, moe_intermediate_size=512,
+        n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, route_scale=2.0,
+        logits_mup_width_multiplier=8.0, **_COMMON),
+}
+
+
+def random_weights(config: InklingConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """fp32 tensors in transformers names, each drawn from a scale that fits its role."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in sorted(expected_shapes(config).items()):
+        normal = torch.randn(shape, generator=gen)
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * normal
+        elif name.endswith("global_scale"):
+            t = 0.5 + torch.rand(shape, generator=gen)
+        elif "sconv" in name:
+            t = 0.2 * normal
+        elif name.endswith("rel_logits_proj.proj"):
+            t = 0.5 * normal
+        elif name.endswith("e_score_correction_bias"):
+            t = 0.1 * normal
+        elif name in ("lm_head.weight", "model.embed_tokens.weight"):
+            t = normal
+        else:  # projections and expert banks: unit-variance outputs
+            t = normal / math.sqrt(shape[-1])
+        out[name] = t.contiguous()
+    return out
+
+
+def write_checkpoint(out_dir: str | Path, raw_config: dict, tensors: dict[str, torch.Tensor], *,
+                     layout: str = "transformers", shards: int = 1) -> Path:
+    """Writes config.json, the safetensors file(s) and a byte-level tokenizer.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if layout == "original":
+        tensors = transformers_to_original(tensors)
+        # Real original checkpoints are multimodal: the text config nests, and other towers ride along.
+        config_json = {"model_type": "inkling_mm_model", "text_config": {**raw_config, "model_type": "inkling_text"}}
+        gen = torch.Generator().manual_seed(1)
+        tensors["model.visual.layers.linear_0.weight"] = torch.randn(8, 8, generator=gen)
+        tensors["model.audio.encoder.weight"] = torch.randn(4, 8, generator=gen)
+        tensors["model.mtp.layers.0.attn_norm.weight"] = torch.randn(8, generator=gen)
+    elif layout == "transformers":
+        config_json = {**raw_config, "model_type": "inkling_text"}
+    else:
+        raise ValueError(f"unknown layout {layout!r}: 'transformers' or 'original'")
+    (out / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+
+    names = sorted(tensors)
+    if shards <= 1:
+        save_file({n: tensors[n] for n in names}, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for k in range(shards):
+            fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+            part = names[k::shards]
+            save_file({n: tensors[n] for n in part}, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in part})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    write_byte_tokenizer(out / "tokenizer.json", bos_id=1, eos_id=2, pad_id=0)
+    return out
+
+
+def build_tiny_checkpoint(out_dir: str | Path, name: str = "tiny", *, seed: int = 0, layout: str = "transformers",
+                          shards: int = 1, overrides: dict | None = None) -> Path:
+    """Writes the named tiny config with seeded random weights; returns the folder."""
+    if name not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny config {name!r}: choose one of {sorted(TINY_CONFIGS)}")
+    raw = {**TINY_CONFIGS[name], **(overrides or {})}
+    config = InklingConfig.from_dict({"model_type": "inkling_text", **raw})
+    return write_checkpoint(out_dir, raw, random_weights(config, seed), layout=layout, shards=shards)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("INKLING_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inkling-compiled")
+    return Path(base)
+
+
+def embedded_checkpoint(name: str = "tiny") -> Path:
+    """The demo's checkpoint: built on first use under the cache dir, reused afterwards."""
+    path = default_cache_dir() / "checkpoints" / f"{name}-seed0"
+    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        build_tiny_checkpoint(tmp, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process won the race; its copy is identical
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

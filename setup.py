@@ -1,0 +1,23 @@
+from setuptools import setup
+
+setup(
+    name="inkling-compiled",
+    version="0.1.0",
+    description="A compiled decode engine for Inkling text models",
+    python_requires=">=3.10",
+    # custom_ops/ and graphs/ live at the top of the repo but install inside the package,
+    # so nothing but `inkling_compiled` lands in site-packages.
+    packages=["inkling_compiled", "inkling_compiled.custom_ops", "inkling_compiled.graphs"],
+    package_dir={
+        "inkling_compiled": "inkling_compiled",
+        "inkling_compiled.custom_ops": "custom_ops",
+        "inkling_compiled.graphs": "graphs",
+    },
+    install_requires=["torch>=2.13", "msgspec", "safetensors", "nvtx", "tokenizers"],
+    extras_require={
+        "test": ["pytest", "transformers==5.23.0", "numpy"],
+        # GPU only: its TensorRT libraries cannot be installed on CPU machines.
+        "tensorrt": ["torch-tensorrt==2.13.*"],
+    },
+    entry_points={"console_scripts": ["inkling-compiled=inkling_compiled.cli:main"]},
+)

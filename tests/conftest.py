@@ -1,0 +1,65 @@
+import os
+
+# Before torch loads: one OpenMP thread (the second core of CI machines is noisy), a project-local
+# inductor cache, and NVTX off.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
+os.environ.setdefault("NVTX_DISABLE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from inkling_compiled.tiny import build_tiny_checkpoint  # noqa: E402
+
+PARITY_CONFIGS = ["tiny", "tiny-k3"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name, layout=..., shards=...) -> folder, built once per session."""
+    built = {}
+
+    def get(name="tiny", layout="transformers", shards=1):
+        key = (name, layout, shards)
+        if key not in built:
+            built[key] = build_tiny_checkpoint(tmp_path_factory.mktemp(f"{name}-{layout}-{shards}"), name,
+                                               layout=layout, shards=shards)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model(checkpoint):
+    """transformers' InklingForCausalLM on the same tiny checkpoint (fp32, eval), cached per config."""
+    transformers = pytest.importorskip("transformers")
+    models = {}
+
+    def get(name="tiny"):
+        if name not in models:
+            m = transformers.InklingForCausalLM.from_pretrained(checkpoint(name), dtype=torch.float32)
+            m.generation_config.eos_token_id = None
+            models[name] = m.eval()
+        return models[name]
+
+    return get
+
+
+def random_prompt(length, seed, low=3, high=259):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (length,), generator=g).tolist()

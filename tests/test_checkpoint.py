@@ -1,0 +1,144 @@
+"""Loader: both name layouts, shards, the fp32-kept tensors, and one clear error per bad checkpoint."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from inkling_compiled import CheckpointError, ConfigError, load_model
+from inkling_compiled.checkpoint import deinterleave, interleave
+
+from conftest import random_prompt
+
+
+def logits_of(path, prompt):
+    model, _ = load_model(path)
+    return model.forward_sequences([prompt])[0]
+
+
+def test_original_layout_loads_to_identical_logits(checkpoint):
+    prompt = random_prompt(30, seed=1)
+    hf_names = logits_of(checkpoint("tiny"), prompt)
+    original = logits_of(checkpoint("tiny", layout="original"), prompt)
+    assert torch.equal(hf_names, original)
+
+
+def test_original_layout_reports_skipped_towers(checkpoint):
+    _, report = load_model(checkpoint("tiny", layout="original"))
+    assert report == "skipped non-text tensors: audio 1, mtp 1, vision 1"
+    _, report = load_model(checkpoint("tiny"))
+    assert report is None
+
+
+def test_sharded_equals_single_file(checkpoint):
+    prompt = random_prompt(25, seed=2)
+    assert torch.equal(logits_of(checkpoint("tiny-k3"), prompt), logits_of(checkpoint("tiny-k3", shards=3), prompt))
+
+
+def test_interleave_roundtrip_and_layout():
+    fused = torch.arange(12.0).reshape(2, 6)  # rows of [g0, u0, g1, u1, g2, u2] along dim 1
+    split = deinterleave(fused, 1)
+    assert split[0].tolist() == [0, 2, 4, 1, 3, 5]
+    assert torch.equal(interleave(split, 1), fused)
+
+
+def test_multimodal_transformers_prefix_loads(checkpoint, tmp_path):
+    src = checkpoint("tiny")
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        renamed = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: f.get_tensor(k)
+                   for k in f.keys()}
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    prompt = random_prompt(10, seed=3)
+    assert torch.equal(logits_of(src, prompt), logits_of(tmp_path, prompt))
+
+
+def test_bf16_keeps_convs_and_router_bias_in_fp32(checkpoint):
+    model, _ = load_model(checkpoint("tiny"), dtype=torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["model.layers.0.attn_sconv.conv1d.weight"] == torch.float32
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == torch.float32
+    assert dtypes["model.layers.1.mlp.gate.global_scale"] == torch.float32
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.0.mlp.global_scale"] == torch.bfloat16
+    logits = model.forward_sequences([random_prompt(20, seed=4)])[0]
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+def test_lm_head_keeps_only_unpadded_rows(checkpoint):
+    model, _ = load_model(checkpoint("tiny"))
+    assert model.lm_head.weight.shape == (264, 64)
+
+
+# ---- bad checkpoints: one clear error each -------------------------------------------------------
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_tensors(path, edit):
+    f = path / "model.safetensors"
+    with safe_open(str(f), framework="pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+    edit(tensors)
+    save_file(tensors, str(f))
+
+
+def test_missing_tensor_is_named(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint("tiny"), tmp_path / "ck")
+    rewrite_tensors(path, lambda t: t.pop("model.layers.2.self_attn.k_norm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor\(s\): model.layers.2.self_attn.k_norm.weight"):
+        load_model(path)
+
+
+def test_wrong_shape_is_named(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint("tiny"), tmp_path / "ck")
+
+    def shrink(t):
+        t["model.layers.1.mlp.experts.down_proj"] = t["model.layers.1.mlp.experts.down_proj"][:, :, :5].contiguous()
+
+    rewrite_tensors(path, shrink)
+    with pytest.raises(CheckpointError, match=r"wrong shape .*model.layers.1.mlp.experts.down_proj.*"
+                                              r"expected \[8, 64, 32\], got \[8, 64, 5\]"):
+        load_model(path)
+
+
+def test_unexpected_tensor_is_named(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint("tiny"), tmp_path / "ck")
+    rewrite_tensors(path, lambda t: t.__setitem__("model.layers.9.input_layernorm.weight", torch.ones(64)))
+    with pytest.raises(CheckpointError, match=r"unexpected 1 tensor\(s\): model.layers.9.input_layernorm.weight"):
+        load_model(path)
+
+
+def test_unknown_model_type(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint("tiny"), tmp_path / "ck")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "inkling2_text"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported model_type 'inkling2_text'"):
+        load_model(path)
+
+
+def test_truncated_file(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint("tiny"), tmp_path / "ck")
+    f = path / "model.safetensors"
+    size = f.stat().st_size
+    with open(f, "r+b") as h:
+        h.truncate(size // 2)
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(path)
+
+
+def test_no_weights_and_broken_index(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint("tiny"), tmp_path / "ck")
+    os.remove(path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no model.safetensors or model.safetensors.index.json"):
+        load_model(path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "shard-1.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"shard files that do not exist: \['shard-1.safetensors'\]"):
+        load_model(path)
