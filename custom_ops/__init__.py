@@ -1,4 +1,13 @@
-"""Short-conv and cache kernels (installed as `inkling_compiled.custom_ops`).
+"""Ops of the `inkling` torch.library namespace (installed as `inkling_compiled.custom_ops`).
 
-`reference` holds the plain-torch definition of each kernel's math.
+Every write into the conv-state pool or the KV cache goes through one of these ops, each declaring
+the slice it mutates, with a fake kernel for tracing and a CPU kernel; `reference.py` holds the
+plain-torch conv math the kernels are tested against.
 """
+
+from . import attention, kv, sconv  # noqa: F401  (registers the ops)
+from .attention import paged_attention
+from .kv import kv_write
+from .sconv import sconv_decode, sconv_extend
+
+__all__ = ["sconv_decode", "sconv_extend", "kv_write", "paged_attention"]

@@ -20,7 +20,7 @@ from torch import nn
 
 from inkling_compiled.custom_ops.reference import packed_causal_conv
 
-from .attention import attend_dense
+from .attention import attend
 from .config import InklingConfig, LayerGeometry
 
 # Conv streams of a layer, in transformers' cache order (conv_idx).
@@ -269,7 +269,14 @@ class FullSequenceContext:
     def short_conv(self, x32: torch.Tensor, weight: torch.Tensor, layer_id: int, stream: int) -> torch.Tensor:
         return packed_causal_conv(x32, weight, self.seq_start)
 
-    def attention(self, layer_id: int, geometry: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
-        same_seq = self.seq_start[:, None] == self.seq_start[None, :]
-        return attend_dense(self.config, geometry, q, k, v, r, rel_proj,
-                            q_pos=self.positions, k_pos=self.positions, key_mask=same_seq)
+    def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
+        return attend_from_scratch(self.config, g, q, k, v, r @ rel_proj, self.positions, self.seq_start)
+
+
+def attend_from_scratch(config: InklingConfig, g: LayerGeometry, q, k, v, table, positions, seq_start):
+    """Packed sequences attending over their own new tokens only (nothing cached before them)."""
+    same_seq = (seq_start[:, None] == seq_start[None, :])[None]
+    tau = config.log_scale(positions)[None] if g.log_scaling else None
+    out = attend(q[None], k[None], v[None], table[None], q_pos=positions[None], k_pos=positions[None],
+                 key_mask=same_seq, tau=tau, window=g.window or 0, rel_extent=g.rel_extent)
+    return out[0]

@@ -63,3 +63,25 @@ def hf_model(checkpoint):
 def random_prompt(length, seed, low=3, high=259):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, (length,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """hf_greedy(name, prompt, n) -> (tokens, logprobs of those tokens): transformers batch-1, unpadded."""
+    cache = {}
+
+    def get(name, prompt, n):
+        key = (name, tuple(prompt), n)
+        if key not in cache:
+            out = hf_model(name).generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                          eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(prompt):]
+            logits = torch.stack(out.logits, 1)[0].float()
+            logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+            cache[key] = (tokens.tolist(), logprobs)
+        return cache[key]
+
+    return get
+
+
+PARITY_LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 80]

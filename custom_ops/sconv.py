@@ -1,0 +1,65 @@
+"""Short-conv ops over one (layer, stream) slice of the conv-state pool.
+
+`state` is `[slots, K-1, D]` fp32, a view `pool.conv[stream][layer]` handed in by the step backend;
+each op declares that it mutates exactly that slice. Slot ids come in as int32; padded rows point at
+slot 0, the pool's dummy, which is written but never read for a live request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import packed_causal_conv
+
+
+@torch.library.custom_op("inkling::sconv_decode", mutates_args=("state",))
+def sconv_decode(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cache_indices: torch.Tensor
+                 ) -> torch.Tensor:
+    """One token per row: y = conv over [window, x] (no residual); the window shifts in x, in place.
+
+    x [B, D] fp32, weight [D, K] fp32, cache_indices [B] int32 -> y [B, D].
+    """
+    K = weight.shape[1]
+    idx = cache_indices.long()
+    window = state.index_select(0, idx)  # [B, K-1, D]
+    y = x * weight[:, K - 1]
+    for back in range(1, K):
+        y = y + window[:, K - 1 - back] * weight[:, K - 1 - back]
+    state.index_copy_(0, idx, torch.cat([window[:, 1:], x[:, None]], dim=1))
+    return y
+
+
+@sconv_decode.register_fake
+def _(x, state, weight, cache_indices):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("inkling::sconv_extend", mutates_args=("state",))
+def sconv_extend(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, query_start_loc: torch.Tensor,
+                 has_initial_state: torch.Tensor, cache_indices: torch.Tensor) -> torch.Tensor:
+    """Packed variable-length tokens: y = conv (no residual) with each sequence's history.
+
+    x [T, D] fp32 packed by query_start_loc [B+1] int32; history is the slot's window where
+    has_initial_state [B] is true and zeros elsewhere. Afterwards each slot holds the last K-1 inputs
+    of [history ++ its tokens] (the history itself shifts through for sequences shorter than K-1).
+    """
+    K, B = weight.shape[1], cache_indices.shape[0]
+    qsl = query_start_loc.long()
+    lens = qsl[1:] - qsl[:-1]
+    idx = cache_indices.long()
+    row_of_token = torch.repeat_interleave(torch.arange(B, device=x.device), lens, output_size=x.shape[0])
+    history = torch.where(has_initial_state[:, None, None], state.index_select(0, idx), 0.0)  # [B, K-1, D]
+    y = packed_causal_conv(x, weight, qsl[:-1][row_of_token], history, row_of_token)
+
+    # Final window: the K-1 inputs ending at each sequence's end, reaching into the history if short.
+    src = qsl[1:, None] - (K - 1) + torch.arange(K - 1, device=x.device)  # [B, K-1]
+    inside = (src >= qsl[:-1, None])[..., None]
+    hist_pos = ((K - 1) - (qsl[:-1, None] - src)).clamp(0, K - 2)
+    from_history = history.gather(1, hist_pos[..., None].expand(-1, -1, x.shape[1]))
+    state.index_copy_(0, idx, torch.where(inside, x[src.clamp(min=0)], from_history))
+    return y
+
+
+@sconv_extend.register_fake
+def _(x, state, weight, query_start_loc, has_initial_state, cache_indices):
+    return torch.empty_like(x)

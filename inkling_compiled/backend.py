@@ -1,0 +1,210 @@
+"""The step backend: graph-static metadata buffers, the one per-step `StepMetadata`, and the forward
+context the model's convs and attention call into.
+
+Buffers are allocated once from the configured maxima and never grow: a step that does not fit
+raises, naming the bound. `prepare_*` refills them in place and points the single `StepMetadata`
+at slices of them; the layers only read it. The backend reaches the pool through `sconv_state`,
+`sconv_intermediate_window` and `kv_cache` alone, each a single slice of a pool tensor, resolved
+per call and never stored.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
+from .attention import attend
+from .cache import StatePool
+from .config import InklingConfig, LayerGeometry
+from .model import attend_from_scratch
+
+
+class StepMetadata(msgspec.Struct):
+    """What one forward needs to know about its batch. One object, refilled in place every step.
+
+    B rows (requests, padded to the bucket on the compiled path) and T tokens (T == B in decode).
+    """
+
+    is_decode: bool
+    input_ids: torch.Tensor  # [T] int64 the tokens this step feeds in
+    cache_indices: torch.Tensor  # [B] int32 conv slot of each row (0 = dummy)
+    query_start_loc: torch.Tensor  # [B+1] int32 packed token offsets
+    has_initial_state: torch.Tensor  # [B] bool: the slot's conv window is this row's history
+    seq_lens: torch.Tensor  # [B] int32 tokens in the cache once this step is written
+    positions: torch.Tensor  # [T] int64 position of each token in its sequence
+    token_seq_start: torch.Tensor  # [T] int64 packed index of the first token of each token's row
+    global_kv_loc: torch.Tensor  # [T] int64 page location of each token in global layers' caches
+    sliding_kv_loc: torch.Tensor  # [T] int64 ring location in sliding layers' caches (-1 = not kept)
+    last_token_index: torch.Tensor  # [B] int64 packed index of each row's last token
+    # per-row sampling parameters
+    temperature: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] fp32
+    seed: torch.Tensor  # [B] int64 (32-bit values)
+    sample_counter: torch.Tensor  # [B] int64 index of the token being generated
+
+
+_ROW_FIELDS = {  # name -> (dtype, extra length)
+    "cache_indices": (torch.int32, 0), "query_start_loc": (torch.int32, 1), "has_initial_state": (torch.bool, 0),
+    "seq_lens": (torch.int32, 0), "last_token_index": (torch.int64, 0), "temperature": (torch.float32, 0),
+    "top_k": (torch.int64, 0), "top_p": (torch.float32, 0), "seed": (torch.int64, 0),
+    "sample_counter": (torch.int64, 0),
+}
+_TOKEN_FIELDS = {"input_ids": torch.int64, "positions": torch.int64, "token_seq_start": torch.int64, "global_kv_loc": torch.int64,
+                 "sliding_kv_loc": torch.int64}
+
+
+class RowSampling(msgspec.Struct, frozen=True):
+    """Host-side sampling inputs of one row."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    counter: int
+
+
+GREEDY_PAD = RowSampling(0.0, 0, 1.0, 0, 0)
+
+
+class StepBackend:
+    def __init__(self, pool: StatePool, config: InklingConfig, *, max_batch_size: int, max_tokens: int,
+                 device: torch.device | str = "cpu"):
+        self.pool, self.config = pool, config
+        self.max_batch_size, self.max_tokens = max_batch_size, max(max_tokens, max_batch_size)
+        self.device = torch.device(device)
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name, (dtype, extra) in _ROW_FIELDS.items():
+            self.buffers[name] = torch.zeros(max_batch_size + extra, dtype=dtype, device=self.device)
+        for name, dtype in _TOKEN_FIELDS.items():
+            self.buffers[name] = torch.zeros(self.max_tokens, dtype=dtype, device=self.device)
+        self.metadata = StepMetadata(is_decode=True, **self.buffers)
+
+    # ---- filling the metadata -------------------------------------------------------------------
+
+    def _check_bounds(self, rows: int, tokens: int) -> None:
+        if rows > self.max_batch_size:
+            raise ValueError(f"step has {rows} rows; the metadata buffers were sized for max_batch_size="
+                             f"{self.max_batch_size}")
+        if tokens > self.max_tokens:
+            raise ValueError(f"step has {tokens} tokens; the metadata buffers were sized for max_tokens={self.max_tokens}")
+
+    def _fill(self, is_decode: bool, rows: int, tokens: int, host: dict[str, torch.Tensor]) -> StepMetadata:
+        """Copies host values into the buffers' leading slices and points the metadata at them."""
+        md = self.metadata
+        md.is_decode = is_decode
+        for name, value in host.items():
+            n = rows + _ROW_FIELDS[name][1] if name in _ROW_FIELDS else tokens
+            view = self.buffers[name][:n]
+            view.copy_(value)
+            setattr(md, name, view)
+        return md
+
+    def _sampling_rows(self, sampling: list[RowSampling], rows: int) -> dict[str, torch.Tensor]:
+        sampling = list(sampling) + [GREEDY_PAD] * (rows - len(sampling))
+        return {
+            "temperature": torch.tensor([s.temperature for s in sampling], dtype=torch.float32),
+            "top_k": torch.tensor([s.top_k for s in sampling], dtype=torch.int64),
+            "top_p": torch.tensor([s.top_p for s in sampling], dtype=torch.float32),
+            "seed": torch.tensor([s.seed for s in sampling], dtype=torch.int64),
+            "sample_counter": torch.tensor([s.counter for s in sampling], dtype=torch.int64),
+        }
+
+    def prepare_decode(self, input_ids: list[int], slots: list[int], cached_lens: list[int],
+                       sampling: list[RowSampling], pad_to: int | None = None) -> StepMetadata:
+        """One new token per row at position cached_lens[i]. Rows past len(slots) (up to pad_to) are
+        padding: slot 0, position 0, and their writes land in slot 0 / page 0."""
+        rows = pad_to or len(slots)
+        self._check_bounds(rows, rows)
+        pad = rows - len(slots)
+        slot = torch.tensor(list(slots) + [0] * pad, dtype=torch.int64)
+        pos = torch.tensor(list(cached_lens) + [0] * pad, dtype=torch.int64)
+        ps, W = self.pool.page_size, self.config.sliding_window_size
+        page = self.pool.block_table_host[slot, pos // ps].long()
+        arange = torch.arange(rows, dtype=torch.int64)
+        host = {
+            "input_ids": torch.tensor(list(input_ids) + [0] * pad, dtype=torch.int64),
+            "cache_indices": slot, "query_start_loc": torch.arange(rows + 1), "has_initial_state": slot > 0,
+            "seq_lens": pos + 1, "last_token_index": arange, "positions": pos, "token_seq_start": arange,
+            "global_kv_loc": page * ps + pos % ps, "sliding_kv_loc": slot * W + pos % W,
+            **self._sampling_rows(sampling, rows),
+        }
+        return self._fill(True, rows, rows, host)
+
+    def prepare_prefill(self, prompts: list[list[int]], slots: list[int], sampling: list[RowSampling]) -> StepMetadata:
+        """Packed prompts that start from an empty state (positions 0..n-1 of each)."""
+        prompt_lens = [len(p) for p in prompts]
+        rows, tokens = len(slots), sum(prompt_lens)
+        self._check_bounds(rows, tokens)
+        lens = torch.tensor(prompt_lens, dtype=torch.int64)
+        slot = torch.tensor(slots, dtype=torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        row_of = torch.repeat_interleave(torch.arange(rows), lens)
+        pos = torch.arange(tokens) - starts[row_of]
+        ps, W = self.pool.page_size, self.config.sliding_window_size
+        page = self.pool.block_table_host[slot[row_of], pos // ps].long()
+        in_window = pos >= (lens[row_of] - W)
+        host = {
+            "input_ids": torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
+            "cache_indices": slot, "query_start_loc": torch.cat([starts, lens.sum().view(1)]),
+            "has_initial_state": torch.zeros(rows, dtype=torch.bool), "seq_lens": lens,
+            "last_token_index": starts + lens - 1, "positions": pos, "token_seq_start": starts[row_of],
+            "global_kv_loc": page * ps + pos % ps,
+            "sliding_kv_loc": torch.where(in_window, slot[row_of] * W + pos % W, -1),
+            **self._sampling_rows(sampling, rows),
+        }
+        return self._fill(False, rows, tokens, host)
+
+    # ---- pure reads -------------------------------------------------------------------------------
+
+    def conv_state_metadata(self) -> StepMetadata:
+        return self.metadata
+
+    def sconv_state(self, layer_id: int, stream: int) -> torch.Tensor:
+        """This layer's conv windows for one stream: `[slots, K-1, D]`, a view of the pool tensor."""
+        name, index = self.pool.layer_index(layer_id, stream)
+        return self.pool.conv[name][index]
+
+    def sconv_intermediate_window(self, layer_id: int, stream: int) -> torch.Tensor:
+        """Per-row, per-draft-token windows for speculative verification: `[rows, T_d, K-1, D]`."""
+        name, index = self.pool.layer_index(layer_id, stream)
+        return self.pool.intermediate_conv_window[name][index]
+
+    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        (k, v), index = self.pool.kv_index(layer_id)
+        return k[index], v[index]
+
+    # ---- forward context --------------------------------------------------------------------------
+
+    def short_conv(self, x32: torch.Tensor, weight: torch.Tensor, layer_id: int, stream: int) -> torch.Tensor:
+        md = self.conv_state_metadata()
+        state = self.sconv_state(layer_id, stream)
+        if md.is_decode:
+            return torch.ops.inkling.sconv_decode(x32, state, weight, md.cache_indices)
+        return torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
+                                              md.cache_indices)
+
+    def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
+        md = self.metadata
+        k_cache, v_cache = self.kv_cache(layer_id)
+        torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
+        table = r @ rel_proj
+        if not md.is_decode:
+            return attend_from_scratch(self.config, g, q, k, v, table, md.positions, md.token_seq_start)
+        tau = self.config.log_scale(md.positions) if g.log_scaling else None
+        if g.sliding:
+            return self._ring_attention(g, q, k_cache, v_cache, table)
+        return torch.ops.inkling.paged_attention(q, k_cache, v_cache, table, tau, self.pool.block_table,
+                                                 md.cache_indices, md.seq_lens, self.pool.page_size, g.rel_extent)
+
+    def _ring_attention(self, g: LayerGeometry, q, k_cache, v_cache, table) -> torch.Tensor:
+        """Decode on a sliding layer: the slot's ring holds the last W keys, the current one included."""
+        md, W = self.metadata, g.window
+        j = torch.arange(W, device=q.device)
+        pos = md.positions[:, None]
+        loc = md.cache_indices.long()[:, None] * W + j  # [B, W]
+        k_pos = pos - torch.remainder(pos - j, W)  # newest position stored in ring entry j
+        out = attend(q[:, None], k_cache[loc], v_cache[loc], table[:, None], q_pos=pos, k_pos=k_pos,
+                     key_mask=(k_pos >= 0)[:, None, :], tau=None, window=W, rel_extent=g.rel_extent)
+        return out[:, 0]

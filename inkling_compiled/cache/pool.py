@@ -1,0 +1,149 @@
+"""The state pool: tensors allocated once, never moved, and the maps that say who owns what.
+
+Conv state, per pool stream, is `[L_s, S+1, K-1, D_s]` fp32 (the stream's layers only: k/v widths
+differ between sliding and global layers, so each has its own stream). Keys and values of global
+layers live in pages (`[L_g, pages*page_size, nkv, hd]`, page 0 the dummy) addressed through a
+per-slot block table; sliding layers keep a ring of their last W keys per slot
+(`[L_s, (S+1)*W, nkv, hd]`). Slot 0 and page 0 are never handed to a request.
+
+The pool only stores: it hands out slots and pages, clears a slot's conv state on allocation and
+answers `layer_index`; everything per step lives in the step backend.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..config import InklingConfig
+from ..model import ATTN_STREAM, K_STREAM, MLP_STREAM, V_STREAM
+from .allocator import IndexAllocator
+
+CONV_STREAMS = ("k_sliding", "v_sliding", "k_global", "v_global", "attn", "mlp")
+
+
+class LayerTransferCounter(Protocol):
+    """HiCache-style host->device loading: `wait_until(layer_id)` returns once that layer's state is in place."""
+
+    def wait_until(self, layer_id: int) -> None: ...
+
+
+def _conv_stream_name(sliding: bool, stream: int) -> str:
+    if stream == K_STREAM:
+        return "k_sliding" if sliding else "k_global"
+    if stream == V_STREAM:
+        return "v_sliding" if sliding else "v_global"
+    return {ATTN_STREAM: "attn", MLP_STREAM: "mlp"}[stream]
+
+
+class StatePool:
+    def __init__(self, config: InklingConfig, *, max_slots: int, num_pages: int, page_size: int,
+                 max_pages_per_seq: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 spec_draft_tokens: int = 0):
+        self.config = config
+        self.max_slots, self.page_size, self.num_pages = max_slots, page_size, num_pages
+        self.max_pages_per_seq = max_pages_per_seq
+        K, H, S = config.conv_kernel_size, config.hidden_size, max_slots
+        n = config.num_hidden_layers
+        sliding = [config.geometry(i).sliding for i in range(n)]
+        self.sliding_layers = [i for i in range(n) if sliding[i]]
+        self.global_layers = [i for i in range(n) if not sliding[i]]
+
+        widths = {
+            "k_sliding": config.swa_num_key_value_heads * config.swa_head_dim,
+            "v_sliding": config.swa_num_key_value_heads * config.swa_head_dim,
+            "k_global": config.num_key_value_heads * config.head_dim,
+            "v_global": config.num_key_value_heads * config.head_dim,
+            "attn": H, "mlp": H,
+        }
+        layers_of = {
+            "k_sliding": self.sliding_layers, "v_sliding": self.sliding_layers,
+            "k_global": self.global_layers, "v_global": self.global_layers,
+            "attn": list(range(n)), "mlp": list(range(n)),
+        }
+        self.conv = {s: torch.zeros(len(layers_of[s]), S + 1, K - 1, widths[s], dtype=torch.float32, device=device)
+                     for s in CONV_STREAMS if layers_of[s]}
+        # Speculative verification keeps the window after each draft token per batch row, not per slot.
+        self.intermediate_conv_window = {
+            s: torch.zeros(t.shape[0], S + 1, spec_draft_tokens, K - 1, t.shape[-1], dtype=torch.float32, device=device)
+            for s, t in self.conv.items()}
+        # (layer_id, model stream) -> (pool stream, layer index inside that stream)
+        self._conv_map = {}
+        for i in range(n):
+            for stream in (K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM):
+                name = _conv_stream_name(sliding[i], stream)
+                self._conv_map[(i, stream)] = (name, layers_of[name].index(i))
+
+        W = config.sliding_window_size
+        g_kv = (config.num_key_value_heads, config.head_dim)
+        s_kv = (config.swa_num_key_value_heads, config.swa_head_dim)
+        self.global_kv = [torch.zeros(len(self.global_layers), num_pages * page_size, *g_kv, dtype=dtype, device=device)
+                          for _ in range(2)] if self.global_layers else []
+        self.sliding_kv = [torch.zeros(len(self.sliding_layers), (S + 1) * W, *s_kv, dtype=dtype, device=device)
+                           for _ in range(2)] if self.sliding_layers else []
+        self.block_table = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32, device=device)
+        self.block_table_host = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32)  # mirror for prep
+
+        self.slots = IndexAllocator(S, "slot")
+        self.pages = IndexAllocator(num_pages - 1, "page")
+        self.slot_of: dict[str, int] = {}
+        self.pages_of: dict[str, list[int]] = {}
+        self.layer_transfer_counter: LayerTransferCounter | None = None
+
+    # ---- ownership ------------------------------------------------------------------------------
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size) if self.global_layers else 0
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return self.slots.num_free > 0 and self.pages.num_free >= self.pages_needed(num_tokens)
+
+    def allocate(self, request_id: str, num_tokens: int) -> int:
+        """Reserves a slot and the pages for `num_tokens` tokens; clears the slot's conv state."""
+        if request_id in self.slot_of:
+            raise KeyError(f"request {request_id!r} already holds slot {self.slot_of[request_id]}")
+        need = self.pages_needed(num_tokens)
+        if need > self.max_pages_per_seq:
+            raise ValueError(f"{num_tokens} tokens need {need} pages; the block table holds {self.max_pages_per_seq}")
+        if not self.can_admit(num_tokens):
+            raise RuntimeError(f"pool exhausted: {self.slots.num_free} slots and {self.pages.num_free} pages free, "
+                               f"request needs 1 slot and {need} pages")
+        (slot,) = self.slots.allocate(1)
+        pages = self.pages.allocate(need)
+        self.slot_of[request_id], self.pages_of[request_id] = slot, pages
+        row = self.block_table_host[slot]
+        row.zero_()
+        row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.block_table[slot].copy_(row)
+        for t in self.conv.values():
+            t[:, slot].zero_()
+        return slot
+
+    def free(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id)
+        self.pages.free(self.pages_of.pop(request_id))
+        self.block_table[slot].zero_()
+        self.block_table_host[slot].zero_()
+        self.slots.free([slot])
+
+    # ---- layer lookup ---------------------------------------------------------------------------
+
+    def register_layer_transfer_counter(self, counter: LayerTransferCounter | None) -> None:
+        self.layer_transfer_counter = counter
+
+    def _wait_for(self, layer_id: int) -> None:
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id)
+
+    def layer_index(self, layer_id: int, stream: int) -> tuple[str, int]:
+        """Waits for the layer's transfer (if a counter is attached); (pool stream, index in it)."""
+        self._wait_for(layer_id)
+        return self._conv_map[(layer_id, stream)]
+
+    def kv_index(self, layer_id: int) -> tuple[list[torch.Tensor], int]:
+        """Waits like `layer_index`; (the [k, v] tensors of the layer's kind, the layer's index in them)."""
+        self._wait_for(layer_id)
+        if layer_id in self.global_layers:
+            return self.global_kv, self.global_layers.index(layer_id)
+        return self.sliding_kv, self.sliding_layers.index(layer_id)

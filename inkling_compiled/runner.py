@@ -1,0 +1,49 @@
+"""Runs one prepared step of the model: forward, lm_head on each row's last token, sampling."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from .backend import StepBackend, StepMetadata
+from .model import InklingForCausalLM
+from .sampling import MAX_TOP_LOGPROBS, sample
+
+
+class StepOutput(msgspec.Struct):
+    tokens: torch.Tensor  # [B] int64
+    chosen_logprobs: torch.Tensor  # [B] fp32
+    top_ids: torch.Tensor  # [B, n] int64, most likely first
+    top_logprobs: torch.Tensor  # [B, n] fp32
+
+
+def forward_step(model: InklingForCausalLM, backend: StepBackend) -> tuple[torch.Tensor, ...]:
+    """The whole step as one function of the static buffers (what the compiled path captures)."""
+    md: StepMetadata = backend.metadata
+    hidden = model.hidden_states(md.input_ids, backend)
+    if not md.is_decode:
+        hidden = hidden[md.last_token_index]
+    logits = model.logits(hidden)
+    tokens, logprobs = sample(logits, md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
+    top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top.indices, top.values
+
+
+class EagerRunner:
+    """The reference path: every step runs eagerly, unpadded."""
+
+    def __init__(self, model: InklingForCausalLM, backend: StepBackend):
+        self.model, self.backend = model, backend
+
+    @torch.inference_mode()
+    def prefill(self, reqs) -> StepOutput:
+        self.backend.prepare_prefill([r.prompt for r in reqs], [self.backend.pool.slot_of[r.request_id] for r in reqs],
+                                     [r.sampling_row() for r in reqs])
+        return StepOutput(*forward_step(self.model, self.backend))
+
+    @torch.inference_mode()
+    def decode(self, reqs) -> StepOutput:
+        slot_of = self.backend.pool.slot_of
+        self.backend.prepare_decode([r.output[-1] for r in reqs], [slot_of[r.request_id] for r in reqs],
+                                    [r.cached_len for r in reqs], [r.sampling_row() for r in reqs])
+        return StepOutput(*forward_step(self.model, self.backend))

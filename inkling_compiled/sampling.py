@@ -1,0 +1,110 @@
+"""Sampling parameters and the batched sampler.
+
+The sampler is pure tensor math with per-row parameters, so a batch of greedy, temperature, top-k
+and top-p rows runs as one program (and can live inside a compiled step). Randomness is
+counter-based: the noise for a row is a hash of (request seed, index of the token being generated,
+vocab id), so the same seed gives the same tokens whatever else is in the batch, and nothing depends
+on a `torch.Generator`'s hidden state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import torch
+
+from .errors import RequestError
+
+MAX_TOP_LOGPROBS = 20
+_MASK32 = 0xFFFFFFFF
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None  # None: the engine draws one
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False  # logprob of each chosen token (under the model's distribution, before temperature)
+    top_logprobs: int = 0  # also the n most likely (token, logprob) pairs per step
+
+    def __post_init__(self):
+        problems = []
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            problems.append(f"seed must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+        if problems:
+            raise RequestError("invalid sampling parameters: " + "; ".join(problems))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def fold_seed(seed: int) -> int:
+    """Any Python int -> 32 bits for the hash."""
+    seed &= (1 << 64) - 1
+    return (seed ^ (seed >> 32)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # An integer finaliser; every product stays below 2^63 so int64 never overflows.
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) [B, vocab] from per-row seed [B] (32-bit) and counter [B], independent of batch layout."""
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    x = _mix32(seed ^ ((counter * 0x27D4EB2D) & _MASK32))
+    x = _mix32(x[:, None] ^ ((ids[None, :] * 0x165667B1) & _MASK32))
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chooses one token per row; returns (token ids [B] int64, log-softmax of the raw logits [B, V]).
+
+    Rows with temperature 0 take the argmax. Others: logits / temperature, keep the top_k (0 = all),
+    then the smallest prefix whose probability reaches top_p, then Gumbel-max with the row's noise.
+    """
+    logits = logits.float()
+    V = logits.shape[-1]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    scaled = logits / temperature.clamp(min=1e-6)[:, None]
+
+    ordered = scaled.sort(dim=-1, descending=True).values
+    k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    kept = (mass_before < top_p[:, None]) & (rank < k[:, None])  # the top token is always kept
+    threshold = ordered.masked_fill(~kept, float("inf")).min(dim=-1, keepdim=True).values
+    candidates = scaled.masked_fill(scaled < threshold, float("-inf"))
+
+    gumbel = -torch.log(-torch.log(uniform_noise(seed, counter, V)))
+    sampled = (candidates + gumbel).argmax(dim=-1)
+    tokens = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
+    return tokens, logprobs

@@ -1,0 +1,140 @@
+"""Custom ops: opcheck, and CPU kernels bit-identical to plain per-request reference loops."""
+
+import pytest
+import torch
+
+from inkling_compiled.custom_ops import kv_write, paged_attention, sconv_decode, sconv_extend
+from inkling_compiled.custom_ops.reference import packed_causal_conv
+
+
+def conv_one_sequence(history, xs, w):
+    """Reference: one sequence, its K-1 history then its tokens; same accumulation order as the kernels."""
+    K = w.shape[1]
+    full = torch.cat([history, xs])  # [K-1 + n, D]
+    out = []
+    for t in range(K - 1, full.shape[0]):
+        acc = full[t] * w[:, K - 1]
+        for back in range(1, K):
+            acc = acc + full[t - back] * w[:, K - 1 - back]
+        out.append(acc)
+    return (torch.stack(out) if out else None), full[-(K - 1):]
+
+
+def make_pool(slots, K, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(3, slots, K - 1, D, generator=g)  # [layers, slots, K-1, D] like one pool stream
+    return pool, g
+
+
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_sconv_decode_is_bit_identical_to_reference(K):
+    D, slots = 24, 9
+    pool, g = make_pool(slots, K, D, seed=K)
+    state = pool[1]  # a view, as the backend hands it
+    before = pool.clone()
+    x = torch.randn(4, D, generator=g)
+    w = torch.randn(D, K, generator=g)
+    idx = torch.tensor([3, 7, 1, 5], dtype=torch.int32)
+    y = sconv_decode(x, state, w, idx)
+    for row, slot in enumerate(idx.tolist()):
+        want_y, want_window = conv_one_sequence(before[1, slot], x[row:row + 1], w)
+        assert torch.equal(y[row], want_y[0])
+        assert torch.equal(pool[1, slot], want_window)
+    untouched = [s for s in range(slots) if s not in idx.tolist()]
+    assert torch.equal(pool[1, untouched], before[1, untouched])
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[2], before[2])
+
+
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_sconv_extend_is_bit_identical_to_reference(K):
+    D, slots = 16, 8
+    pool, g = make_pool(slots, K, D, seed=10 + K)
+    state = pool[2]
+    before = pool.clone()
+    lens = [5, 1, 0, 2, 7]  # includes sequences shorter than K-1 and an empty one
+    his = torch.tensor([True, True, False, False, True])
+    idx = torch.tensor([2, 5, 6, 1, 4], dtype=torch.int32)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(sum(lens), D, generator=g)
+    w = torch.randn(D, K, generator=g)
+    y = sconv_extend(x, state, w, qsl, his, idx)
+    for b, slot in enumerate(idx.tolist()):
+        history = before[2, slot] if his[b] else torch.zeros(K - 1, D)
+        xs = x[qsl[b]:qsl[b + 1]]
+        want_y, want_window = conv_one_sequence(history, xs, w)
+        if len(xs):
+            assert torch.equal(y[qsl[b]:qsl[b + 1]], want_y)
+        assert torch.equal(pool[2, slot], want_window)
+    assert torch.equal(pool[2, [0, 3, 7]], before[2, [0, 3, 7]])
+
+
+def test_extend_from_scratch_equals_full_sequence_reference():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(11, 8, generator=g), torch.randn(8, 4, generator=g)
+    seq_start = torch.tensor([0] * 6 + [6] * 5)
+    state = torch.zeros(3, 3, 8)
+    y = sconv_extend(x, state, w, torch.tensor([0, 6, 11], dtype=torch.int32), torch.tensor([False, False]),
+                     torch.tensor([1, 2], dtype=torch.int32))
+    assert torch.equal(y, packed_causal_conv(x, w, seq_start))
+
+
+def test_decode_after_extend_continues_the_sequence():
+    """extend(a) then decode(b) gives the same outputs as extend(a ++ b)."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(7, 8, generator=g), torch.randn(8, 3, generator=g)
+    one = torch.tensor([1], dtype=torch.int32)
+    s1, s2 = torch.zeros(2, 2, 8), torch.zeros(2, 2, 8)
+    full = sconv_extend(x, s1, w, torch.tensor([0, 7], dtype=torch.int32), torch.tensor([False]), one)
+    part = sconv_extend(x[:5], s2, w, torch.tensor([0, 5], dtype=torch.int32), torch.tensor([False]), one)
+    steps = [sconv_decode(x[t:t + 1], s2, w, one) for t in (5, 6)]
+    assert torch.allclose(torch.cat([part] + steps), full, atol=1e-6)
+    assert torch.equal(s1, s2)
+
+
+def test_kv_write_skips_negative_locations():
+    kc, vc = torch.zeros(6, 2, 3), torch.zeros(6, 2, 3)
+    k, v = torch.randn(3, 2, 3), torch.randn(3, 2, 3)
+    kv_write(kc, vc, k, v, torch.tensor([4, -1, 0]))
+    assert torch.equal(kc[4], k[0]) and torch.equal(kc[0], k[2]) and torch.equal(vc[4], v[0])
+    assert kc[[1, 2, 3, 5]].abs().sum() == 0
+
+
+def op_samples():
+    g = torch.Generator().manual_seed(2)
+    pool = torch.randn(2, 6, 3, 8, generator=g)
+    w = torch.randn(8, 4, generator=g)
+    idx = torch.tensor([1, 4], dtype=torch.int32)
+    yield torch.ops.inkling.sconv_decode.default, (torch.randn(2, 8, generator=g), pool[1], w, idx)
+    yield torch.ops.inkling.sconv_extend.default, (
+        torch.randn(5, 8, generator=g), pool[0], w, torch.tensor([0, 3, 5], dtype=torch.int32),
+        torch.tensor([True, False]), idx)
+    yield torch.ops.inkling.kv_write.default, (
+        torch.zeros(8, 2, 4), torch.zeros(8, 2, 4), torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g),
+        torch.tensor([5, -1, 2]))
+    block_table = torch.tensor([[0, 0], [1, 2], [3, 0]], dtype=torch.int32)
+    yield torch.ops.inkling.paged_attention.default, (
+        torch.randn(2, 4, 8, generator=g), torch.randn(16, 2, 8, generator=g), torch.randn(16, 2, 8, generator=g),
+        torch.randn(2, 4, 6, generator=g), torch.rand(2, generator=g) + 1, block_table,
+        torch.tensor([1, 2], dtype=torch.int32), torch.tensor([7, 3], dtype=torch.int32), 4, 6)
+
+
+@pytest.mark.parametrize("op, args", list(op_samples()), ids=lambda x: str(x) if not isinstance(x, tuple) else "")
+def test_opcheck(op, args):
+    torch.library.opcheck(op, args)
+
+
+def test_paged_attention_reads_only_its_pages():
+    """Keys on pages outside a row's table (or past its length) must not change its output."""
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(16, 1, 4, generator=g), torch.randn(16, 1, 4, generator=g)
+    args = dict(table=torch.randn(1, 2, 5, generator=g), tau=None,
+                block_table=torch.tensor([[0, 0], [2, 1]], dtype=torch.int32),
+                cache_indices=torch.tensor([1], dtype=torch.int32), seq_lens=torch.tensor([6], dtype=torch.int32),
+                page_size=4, rel_extent=5)
+    q = torch.randn(1, 2, 4, generator=g)
+    out = paged_attention(q, kc, vc, **args)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kc2[0:4] = 99.0  # page 0: not in the row's table
+    kc2[6:8] = -99.0  # page 1 past the 6th key (page 2 holds keys 0-3, page 1 keys 4-5)
+    vc2[0:4] = 5.0
+    assert torch.equal(paged_attention(q, kc2, vc2, **args), out)

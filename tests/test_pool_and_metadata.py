@@ -1,0 +1,168 @@
+"""State pool layout and ownership, the one StepMetadata per step, and the static pool-access scan."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inkling_compiled.backend import GREEDY_PAD
+from inkling_compiled.cache import StatePool
+from inkling_compiled.config import InklingConfig
+from inkling_compiled.engine import Engine
+from inkling_compiled.model import ATTN_STREAM, K_STREAM, MLP_STREAM, V_STREAM
+from inkling_compiled.sampling import SamplingParams
+from inkling_compiled.tiny import TINY_CONFIGS
+
+from conftest import random_prompt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import scan_pool_access  # noqa: E402
+
+STREAMS = (K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM)
+
+
+def tiny_pool(name="tiny", **kw):
+    config = InklingConfig.from_dict({"model_type": "inkling_text", **TINY_CONFIGS[name]})
+    args = dict(max_slots=4, num_pages=9, page_size=4, max_pages_per_seq=4, dtype=torch.float32,
+                spec_draft_tokens=2)
+    args.update(kw)
+    return config, StatePool(config, **args)
+
+
+def test_backend_slices_are_the_pool_tensors_themselves(checkpoint):
+    engine = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=4)
+    config, pool, backend = engine.config, engine.pool, engine.backend
+    sliding = [i for i, t in enumerate(config.layer_types) if t == "hybrid_sliding"]
+    glob = [i for i, t in enumerate(config.layer_types) if t == "hybrid"]
+    pairs = 0
+    for layer in range(config.num_hidden_layers):
+        kind, same_kind = ("sliding", sliding) if layer in sliding else ("global", glob)
+        expect = {K_STREAM: ("k_" + kind, same_kind.index(layer)), V_STREAM: ("v_" + kind, same_kind.index(layer)),
+                  ATTN_STREAM: ("attn", layer), MLP_STREAM: ("mlp", layer)}
+        for stream in STREAMS:
+            name, index = expect[stream]
+            for got, base in ((backend.sconv_state(layer, stream), pool.conv[name]),
+                              (backend.sconv_intermediate_window(layer, stream), pool.intermediate_conv_window[name])):
+                direct = base[index]
+                assert (got.data_ptr(), got.shape, got.stride()) == (direct.data_ptr(), direct.shape, direct.stride())
+                pairs += 1
+    assert pairs == 2 * 4 * config.num_hidden_layers
+
+
+def test_streams_are_allocated_only_for_the_layers_that_use_them():
+    config, pool = tiny_pool("tiny-k3")  # layer types: global, sliding, sliding
+    assert pool.conv["k_global"].shape == (1, 5, 2, 2 * 8)
+    assert pool.conv["k_sliding"].shape == (2, 5, 2, 3 * 16)
+    assert pool.conv["attn"].shape == (3, 5, 2, 48)
+    assert pool.global_kv[0].shape == (1, 9 * 4, 2, 8)
+    assert pool.sliding_kv[0].shape == (2, 5 * 5, 3, 16)  # (slots + dummy) * window
+    assert pool.intermediate_conv_window["mlp"].shape == (3, 5, 2, 2, 48)
+
+
+def test_slot_and_page_zero_are_never_handed_out():
+    _, pool = tiny_pool()
+    slots = [pool.allocate(f"r{i}", 8) for i in range(4)]
+    assert sorted(slots) == [1, 2, 3, 4]
+    assert all(0 not in pool.pages_of[f"r{i}"] for i in range(4))
+    assert not pool.can_admit(1)
+
+
+def test_allocation_clears_the_slot_and_fills_the_block_table():
+    _, pool = tiny_pool()
+    for t in pool.conv.values():
+        t.fill_(7.0)
+    slot = pool.allocate("a", 9)  # 3 pages of 4
+    assert all(t[:, slot].abs().sum() == 0 for t in pool.conv.values())
+    assert all(t[:, 2].eq(7.0).all() for t in pool.conv.values())  # other slots untouched
+    assert pool.block_table[slot, :3].tolist() == pool.pages_of["a"] and pool.block_table[slot, 3] == 0
+    pool.free("a")
+    assert pool.block_table[slot].abs().sum() == 0
+
+
+def test_thousand_random_events_leak_nothing(checkpoint):
+    engine = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=4, max_model_len=48, page_size=4)
+    rng = random.Random(0)
+    live = []
+    for event in range(1000):
+        kind = rng.random()
+        if kind < 0.4:
+            live.append(engine.add_request(random_prompt(rng.randint(1, 30), seed=event),
+                                           SamplingParams(max_new_tokens=rng.randint(1, 6), ignore_eos=True)))
+        elif kind < 0.55 and live:
+            rid = live.pop(rng.randrange(len(live)))
+            try:
+                engine.abort(rid)
+            except Exception:  # it finished already
+                pass
+        else:
+            for out in engine.step():
+                if out.finished and out.request_id in live:
+                    live.remove(out.request_id)
+        busy = len(engine.running)
+        assert engine.pool.slots.num_free == engine.pool.slots.capacity - busy
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.pool.pages.num_free == engine.pool.pages.capacity
+    assert not engine.pool.slot_of and not engine.pool.pages_of
+    assert engine.pool.block_table.abs().sum() == 0
+
+
+class RecordingContext:
+    """Forwards to the backend, noting which metadata object each conv call reads."""
+
+    def __init__(self, backend):
+        self.backend, self.seen = backend, []
+
+    def short_conv(self, *args):
+        self.seen.append(self.backend.conv_state_metadata())
+        return self.backend.short_conv(*args)
+
+    def attention(self, *args):
+        return self.backend.attention(*args)
+
+
+def test_every_conv_of_a_step_reads_the_one_metadata_object(checkpoint):
+    engine = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=4)
+    backend, model = engine.backend, engine.model
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=1))  # warm the pool with real requests
+    buffers = {name: t.data_ptr() for name, t in backend.buffers.items()}
+    objects = set()
+    for step, lens in enumerate(([3, 7], [4, 8], [5, 9])):
+        md = backend.prepare_decode([11, 12], [1, 2], lens, [GREEDY_PAD] * 2)
+        ctx = RecordingContext(backend)
+        with torch.inference_mode():
+            model.hidden_states(md.input_ids, ctx)
+        assert len(ctx.seen) == 4 * engine.config.num_hidden_layers
+        assert len({id(m) for m in ctx.seen}) == 1 and ctx.seen[0] is md
+        objects.add(id(md))
+        for name in buffers:  # every tensor field is a view of its static buffer
+            assert getattr(md, name).data_ptr() == buffers[name]
+    assert len(objects) == 1
+
+
+def test_buffers_never_grow(checkpoint):
+    engine = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=2, max_prefill_tokens=8)
+    with pytest.raises(ValueError, match="max_batch_size=2"):
+        engine.backend.prepare_decode([1, 2, 3], [1, 2, 3], [0, 0, 0], [GREEDY_PAD] * 3)
+    with pytest.raises(ValueError, match="max_tokens=8"):
+        engine.backend.prepare_prefill([[5] * 9], [1], [GREEDY_PAD])
+
+
+def test_static_scan_is_clean_and_catches_violations():
+    assert scan_pool_access.scan_paths(scan_pool_access.DEFAULT_PATHS) == []
+    bad = (
+        "class B:\n"
+        "    def prepare_decode(self, batch):\n"
+        "        s = self.sconv_state(0, 1)\n"
+        "    def __init__(self, pool):\n"
+        "        self.cached = pool.conv['attn'][0]\n"
+        "        self.view = self.kv_cache(3)\n"
+    )
+    problems = scan_pool_access.scan_source(bad, "bad.py")
+    assert len(problems) == 3
+    assert "metadata prep `prepare_decode` calls pool accessor `sconv_state`" in problems[0]
+    assert any("conv[...]" in p and "`cached`" in p for p in problems)
+    assert any("kv_cache()" in p and "`view`" in p for p in problems)
