@@ -5,9 +5,11 @@ the slice it mutates, with a fake kernel for tracing and a CPU kernel; `referenc
 plain-torch conv math the kernels are tested against.
 """
 
-from . import attention, kv, sconv  # noqa: F401  (registers the ops)
+from . import attention, barrier, kv, moe, sconv  # noqa: F401  (registers the ops)
 from .attention import paged_attention
+from .barrier import wait_layer
 from .kv import kv_write
+from .moe import moe_experts
 from .sconv import sconv_decode, sconv_extend
 
-__all__ = ["sconv_decode", "sconv_extend", "kv_write", "paged_attention"]
+__all__ = ["sconv_decode", "sconv_extend", "kv_write", "paged_attention", "moe_experts", "wait_layer"]

@@ -80,6 +80,9 @@ class StepBackend:
         for name, dtype in _TOKEN_FIELDS.items():
             self.buffers[name] = torch.zeros(self.max_tokens, dtype=dtype, device=self.device)
         self.metadata = StepMetadata(is_decode=True, **self.buffers)
+        # Leading slices of the buffers, made once per length: a compiled step then sees the very same
+        # tensor objects (and addresses) every time it replays its bucket.
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
 
     # ---- filling the metadata -------------------------------------------------------------------
 
@@ -96,7 +99,9 @@ class StepBackend:
         md.is_decode = is_decode
         for name, value in host.items():
             n = rows + _ROW_FIELDS[name][1] if name in _ROW_FIELDS else tokens
-            view = self.buffers[name][:n]
+            view = self._views.get((name, n))
+            if view is None:
+                view = self._views[(name, n)] = self.buffers[name][:n]
             view.copy_(value)
             setattr(md, name, view)
         return md
@@ -176,6 +181,11 @@ class StepBackend:
         return k[index], v[index]
 
     # ---- forward context --------------------------------------------------------------------------
+
+    def enter_layer(self, layer_id: int) -> None:
+        """Compiled steps of a pool built for HiCache wait here, once per layer, before any state read."""
+        if torch.compiler.is_compiling() and self.pool.layer_transfer:
+            torch.ops.inkling.wait_layer(self.pool.layer_state(layer_id), self.pool.barrier_handle, layer_id)
 
     def short_conv(self, x32: torch.Tensor, weight: torch.Tensor, layer_id: int, stream: int) -> torch.Tensor:
         md = self.conv_state_metadata()

@@ -20,10 +20,11 @@ import torch
 from .backend import RowSampling, StepBackend
 from .cache import StatePool
 from .config import InklingConfig
-from .errors import RequestError
+from .errors import CompileError, RequestError
 from .loading import load_model
 from .model import InklingForCausalLM
-from .runner import EagerRunner, StepOutput
+from .graphs import CompiledDecoder, choose_buckets
+from .runner import CompiledRunner, EagerRunner, StepOutput
 from .sampling import SamplingParams, fold_seed
 from .tokenizer import TextTokenizer
 
@@ -68,8 +69,11 @@ class Request:
 
 class Engine:
     def __init__(self, model: InklingForCausalLM, *, tokenizer: TextTokenizer | None = None, device="cpu",
-                 max_batch_size: int = 32, max_model_len: int = 2048, max_prefill_tokens: int | None = None,
-                 page_size: int = 16, num_pages: int | None = None, seed: int = 0):
+                 compile: bool = True, max_batch_size: int = 32, max_model_len: int = 2048,
+                 max_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None,
+                 seed: int = 0, buckets: tuple[int, ...] | None = None, compile_backend: str = "inductor",
+                 compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
+                 layer_transfer: bool = False, warmup: bool = True, progress: bool = True):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.device = torch.device(device)
@@ -82,10 +86,20 @@ class Engine:
             num_pages = max_batch_size * pages_per_seq + 1  # every slot can hold a full-length request
         dtype = model.lm_head.weight.dtype
         self.pool = StatePool(config, max_slots=max_batch_size, num_pages=num_pages, page_size=page_size,
-                              max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device)
+                              max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device,
+                              layer_transfer=layer_transfer)
         self.backend = StepBackend(self.pool, config, max_batch_size=max_batch_size,
                                    max_tokens=self.max_prefill_tokens, device=self.device)
-        self.runner = EagerRunner(model, self.backend)
+        self.decoder = None
+        if compile:
+            self.decoder = CompiledDecoder(model, self.backend, buckets=choose_buckets(max_batch_size, buckets),
+                                           compile_backend=compile_backend, mode=compile_mode,
+                                           cache_dir=compile_cache_dir)
+            self.runner = CompiledRunner(model, self.backend, self.decoder)
+            if warmup:
+                self.decoder.warmup(progress=progress)
+        else:
+            self.runner = EagerRunner(model, self.backend)
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
@@ -94,12 +108,12 @@ class Engine:
         self._known: set[str] = set()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype=None, compile: bool = False,
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype=None, compile: bool = True,
                         max_batch_size: int = 32, **kwargs) -> "Engine":
-        if compile:
-            raise NotImplementedError("compile=True arrives with the compiled decode step; use compile=False")
+        """Loads a checkpoint folder. compile=True (default) runs decode steps through the compiled
+        per-bucket graphs (warmed up here); compile=False is the eager reference path."""
         model, _ = load_model(path, device=device, dtype=dtype)
-        return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device,
+        return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
                    max_batch_size=max_batch_size, **kwargs)
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -158,6 +172,15 @@ class Engine:
             self._release(req)
         req.finish_reason = "abort"
         self._aborted.append(req)
+
+    def attach_layer_transfer_counter(self, counter) -> None:
+        """Attach a HiCache-style counter (`wait_until(layer_id)`): every step then waits for a layer's
+        transfer before touching its state. Compiled engines carry the per-layer barrier only when
+        built with layer_transfer=True."""
+        if self.decoder is not None and counter is not None and not self.pool.layer_transfer:
+            raise CompileError("this compiled engine has no per-layer barrier in its graphs; "
+                               "build it with layer_transfer=True to attach a layer-transfer counter")
+        self.pool.register_layer_transfer_counter(counter)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)

@@ -15,3 +15,7 @@ class CheckpointError(InklingError, ValueError):
 
 class RequestError(InklingError, ValueError):
     """A request (prompt or sampling parameters) cannot be served."""
+
+
+class CompileError(InklingError, RuntimeError):
+    """The compiled decode step cannot be built or would recompile after warm-up."""

@@ -4,6 +4,7 @@ Tokens are packed: every tensor is `[T, ...]` over the T tokens of one forward, 
 they belong to. Anything that depends on where a token sits (its position, its sequence, its conv
 history, its keys and values) is asked of a *forward context* passed down the layers:
 
+    ctx.enter_layer(layer_id)  -> before a layer touches any state (where a HiCache barrier goes)
     ctx.short_conv(x32, weight, layer_id, stream) -> conv(x32) without residual, fp32
     ctx.attention(layer_id, geometry, q, k, v, r, rel_proj) -> [T, nh, hd]
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inkling_compiled import custom_ops  # noqa: F401  (registers torch.ops.inkling)
 from inkling_compiled.custom_ops.reference import packed_causal_conv
 
 from .attention import attend
@@ -142,17 +144,8 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Visits only the experts some token chose (eager: data-dependent loop)."""
-        out = torch.zeros_like(x)
-        flat_tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(idx.shape[1])
-        flat_experts, flat_w = idx.reshape(-1), w.reshape(-1)
-        for e in torch.unique(flat_experts).tolist():
-            hit = flat_experts == e
-            tokens = flat_tokens[hit]
-            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * flat_w[hit, None]
-            out.index_add_(0, tokens, y)
-        return out
+        # An op, so that a compiled step keeps static shapes and still reads only the chosen experts.
+        return torch.ops.inkling.moe_experts(x, idx, w, self.gate_up_proj, self.down_proj)
 
 
 class SharedExperts(nn.Module):
@@ -188,6 +181,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: InklingConfig, layer_id: int):
         super().__init__()
         H, K = config.hidden_size, config.conv_kernel_size
+        self.layer_id = layer_id
         self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_id)
         self.attn_sconv = ShortConv(H, K, layer_id, ATTN_STREAM)
@@ -196,6 +190,7 @@ class DecoderLayer(nn.Module):
         self.mlp_sconv = ShortConv(H, K, layer_id, MLP_STREAM)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        ctx.enter_layer(self.layer_id)
         x = x + self.attn_sconv(self.self_attn(self.input_layernorm(x), ctx), ctx)
         return x + self.mlp_sconv(self.mlp(self.post_attention_layernorm(x)), ctx)
 
@@ -265,6 +260,9 @@ class FullSequenceContext:
         seq_start = starts.repeat_interleave(lens)
         positions = torch.arange(int(lens.sum()), device=device) - seq_start
         return cls(positions, seq_start, config)
+
+    def enter_layer(self, layer_id: int) -> None:
+        """No state, nothing to wait for."""
 
     def short_conv(self, x32: torch.Tensor, weight: torch.Tensor, layer_id: int, stream: int) -> torch.Tensor:
         return packed_causal_conv(x32, weight, self.seq_start)

@@ -47,3 +47,22 @@ class EagerRunner:
         self.backend.prepare_decode([r.output[-1] for r in reqs], [slot_of[r.request_id] for r in reqs],
                                     [r.cached_len for r in reqs], [r.sampling_row() for r in reqs])
         return StepOutput(*forward_step(self.model, self.backend))
+
+
+class CompiledRunner(EagerRunner):
+    """Decode through the compiled per-bucket graphs; prefill stays eager (its shapes vary)."""
+
+    def __init__(self, model: InklingForCausalLM, backend: StepBackend, decoder):
+        super().__init__(model, backend)
+        self.decoder = decoder
+
+    def decode(self, reqs) -> StepOutput:
+        slot_of = self.backend.pool.slot_of
+        parts = []
+        for start in range(0, len(reqs), self.decoder.largest):  # a batch over the largest bucket is split
+            chunk = reqs[start:start + self.decoder.largest]
+            self.backend.prepare_decode([r.output[-1] for r in chunk], [slot_of[r.request_id] for r in chunk],
+                                        [r.cached_len for r in chunk], [r.sampling_row() for r in chunk],
+                                        pad_to=self.decoder.bucket_for(len(chunk)))
+            parts.append([t[: len(chunk)] for t in self.decoder.run()])
+        return StepOutput(*(torch.cat(ts) for ts in zip(*parts)))

@@ -32,7 +32,7 @@ def tiny_pool(name="tiny", **kw):
 
 
 def test_backend_slices_are_the_pool_tensors_themselves(checkpoint):
-    engine = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=4)
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4)
     config, pool, backend = engine.config, engine.pool, engine.backend
     sliding = [i for i, t in enumerate(config.layer_types) if t == "hybrid_sliding"]
     glob = [i for i, t in enumerate(config.layer_types) if t == "hybrid"]
@@ -82,7 +82,7 @@ def test_allocation_clears_the_slot_and_fills_the_block_table():
 
 
 def test_thousand_random_events_leak_nothing(checkpoint):
-    engine = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=4, max_model_len=48, page_size=4)
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, max_model_len=48, page_size=4)
     rng = random.Random(0)
     live = []
     for event in range(1000):
@@ -120,12 +120,15 @@ class RecordingContext:
         self.seen.append(self.backend.conv_state_metadata())
         return self.backend.short_conv(*args)
 
+    def enter_layer(self, layer_id):
+        self.backend.enter_layer(layer_id)
+
     def attention(self, *args):
         return self.backend.attention(*args)
 
 
 def test_every_conv_of_a_step_reads_the_one_metadata_object(checkpoint):
-    engine = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=4)
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4)
     backend, model = engine.backend, engine.model
     engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=1))  # warm the pool with real requests
     buffers = {name: t.data_ptr() for name, t in backend.buffers.items()}
@@ -144,7 +147,7 @@ def test_every_conv_of_a_step_reads_the_one_metadata_object(checkpoint):
 
 
 def test_buffers_never_grow(checkpoint):
-    engine = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=2, max_prefill_tokens=8)
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, max_prefill_tokens=8)
     with pytest.raises(ValueError, match="max_batch_size=2"):
         engine.backend.prepare_decode([1, 2, 3], [1, 2, 3], [0, 0, 0], [GREEDY_PAD] * 3)
     with pytest.raises(ValueError, match="max_tokens=8"):

@@ -12,21 +12,17 @@ answers `layer_index`; everything per step lives in the step backend.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from ..config import InklingConfig
+from ..custom_ops import barrier
 from ..model import ATTN_STREAM, K_STREAM, MLP_STREAM, V_STREAM
 from .allocator import IndexAllocator
 
 CONV_STREAMS = ("k_sliding", "v_sliding", "k_global", "v_global", "attn", "mlp")
 
 
-class LayerTransferCounter(Protocol):
-    """HiCache-style host->device loading: `wait_until(layer_id)` returns once that layer's state is in place."""
-
-    def wait_until(self, layer_id: int) -> None: ...
+LayerTransferCounter = barrier.LayerTransferCounter
 
 
 def _conv_stream_name(sliding: bool, stream: int) -> str:
@@ -40,7 +36,7 @@ def _conv_stream_name(sliding: bool, stream: int) -> str:
 class StatePool:
     def __init__(self, config: InklingConfig, *, max_slots: int, num_pages: int, page_size: int,
                  max_pages_per_seq: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 spec_draft_tokens: int = 0):
+                 spec_draft_tokens: int = 0, layer_transfer: bool = False):
         self.config = config
         self.max_slots, self.page_size, self.num_pages = max_slots, page_size, num_pages
         self.max_pages_per_seq = max_pages_per_seq
@@ -89,6 +85,9 @@ class StatePool:
         self.pages = IndexAllocator(num_pages - 1, "page")
         self.slot_of: dict[str, int] = {}
         self.pages_of: dict[str, list[int]] = {}
+        # HiCache: whether compiled steps carry a per-layer barrier, and the handle its op waits on.
+        self.layer_transfer = layer_transfer
+        self.barrier_handle = barrier.new_handle()
         self.layer_transfer_counter: LayerTransferCounter | None = None
 
     # ---- ownership ------------------------------------------------------------------------------
@@ -130,16 +129,29 @@ class StatePool:
     # ---- layer lookup ---------------------------------------------------------------------------
 
     def register_layer_transfer_counter(self, counter: LayerTransferCounter | None) -> None:
+        """Attach (or detach, with None) the counter every access to a layer's state waits on."""
         self.layer_transfer_counter = counter
+        barrier.set_counter(self.barrier_handle, counter)
 
     def _wait_for(self, layer_id: int) -> None:
-        if self.layer_transfer_counter is not None:
+        # Inside a compiled step the wait is the `inkling::wait_layer` op the backend places at the
+        # layer's entry; checking is_compiling() first keeps Dynamo from guarding on the counter.
+        if not torch.compiler.is_compiling() and self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(layer_id)
 
     def layer_index(self, layer_id: int, stream: int) -> tuple[str, int]:
         """Waits for the layer's transfer (if a counter is attached); (pool stream, index in it)."""
         self._wait_for(layer_id)
         return self._conv_map[(layer_id, stream)]
+
+    def layer_state(self, layer_id: int) -> list[torch.Tensor]:
+        """Every state slice of one layer (4 conv streams, then k and v caches), without waiting:
+        what a HiCache transfer writes and what the layer's barrier declares it guards."""
+        convs = [self.conv[name][i] for name, i in (self._conv_map[(layer_id, s)] for s in
+                                                       (K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM))]
+        kv, index = (self.global_kv, self.global_layers) if layer_id in self.global_layers else (
+            self.sliding_kv, self.sliding_layers)
+        return convs + [t[index.index(layer_id)] for t in kv]
 
     def kv_index(self, layer_id: int) -> tuple[list[torch.Tensor], int]:
         """Waits like `layer_index`; (the [k, v] tensors of the layer's kind, the layer's index in them)."""

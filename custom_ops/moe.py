@@ -1,0 +1,40 @@
+"""Routed experts behind an op: the graph keeps static shapes, the kernel reads only chosen experts.
+
+At batch B with top-k routing at most min(E, B*k) experts are touched; at batch 1 that is k of E
+expert weight banks, which is what sets the decode floor of a bandwidth-bound step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("inkling::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; expert_ids, weights [T, k]; gate_up [E, 2I, H] (rows [0, I) gate); down [E, H, I].
+
+    out[t] = sum_j weights[t, j] * down_e(silu(gate_e x) * up_e x) with e = expert_ids[t, j].
+    """
+    k = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # group (token, choice) pairs by expert
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    token_of = order // k
+    w = weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token_of[start:start + n]
+        gate, up = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+        out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[e]) * w[start:start + n, None])
+        start += n
+    return out
+
+
+@moe_experts.register_fake
+def _(x, expert_ids, weights, gate_up, down):
+    return torch.empty_like(x)

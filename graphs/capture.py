@@ -1,0 +1,140 @@
+"""One compiled decode graph per batch-size bucket, over the step backend's static buffers.
+
+The whole step (embedding, every layer, final norm, lm_head, sampling and logprobs) is
+`torch.compile(fullgraph=True, dynamic=False)`: a graph break is an error, and each bucket is its own
+static-shape graph. On CUDA the inductor backend runs with `mode="reduce-overhead"` (CUDA graphs); on
+CPU it is plain inductor. Warm-up compiles every bucket; after it, a recompile is an error that names
+the guard that failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from inkling_compiled.errors import CompileError
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+BACKENDS = ("inductor", "eager", "aot_eager", "tensorrt")
+
+
+def choose_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
+    """Sorted buckets; by default the powers of two up to max_batch_size, plus max_batch_size itself."""
+    if buckets is None:
+        chosen = {b for b in DEFAULT_BUCKETS if b <= max_batch_size} | {max_batch_size}
+    else:
+        chosen = set(buckets)
+        if not chosen or any(not isinstance(b, int) or b < 1 for b in chosen):
+            raise ValueError(f"buckets must be positive integers, got {buckets!r}")
+    return tuple(sorted(chosen))
+
+
+def resolve_backend(name):
+    """A backend name, or any Dynamo backend callable (tests pass a recorder)."""
+    if callable(name):
+        return name
+    if name not in BACKENDS:
+        raise CompileError(f"unknown compile backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    if name == "tensorrt":
+        try:
+            import torch_tensorrt  # noqa: F401  (registers the "tensorrt" dynamo backend)
+        except ImportError as e:
+            raise CompileError("compile backend 'tensorrt' needs torch-tensorrt (GPU only): "
+                               "pip install 'inkling-compiled[tensorrt]'") from e
+    return name
+
+
+def default_compile_cache_dir() -> Path:
+    from inkling_compiled.tiny import default_cache_dir
+
+    return default_cache_dir() / "inductor"
+
+
+class DecodeGraph(nn.Module):
+    """The decode step as a module: parameters, pools and metadata are all reached through `self`,
+    which makes them static inputs (fixed addresses) for the compiler and for CUDA graphs."""
+
+    def __init__(self, model: nn.Module, backend):
+        super().__init__()
+        self.model = model
+        self.backend = backend
+
+    def forward(self):
+        from inkling_compiled.runner import forward_step
+
+        return forward_step(self.model, self.backend)
+
+
+class CompiledDecoder:
+    def __init__(self, model: nn.Module, backend, *, buckets: tuple[int, ...], compile_backend="inductor",
+                 mode: str | None = None, cache_dir: str | Path | None = None):
+        self.backend = backend
+        self.buckets = buckets
+        self.backend_name = resolve_backend(compile_backend)
+        device = backend.device
+        if mode is None and compile_backend == "inductor" and device.type == "cuda":
+            mode = "reduce-overhead"
+        self.mode = mode
+        self.cache_dir = Path(cache_dir) if cache_dir else Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
+                                                                 default_compile_cache_dir())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
+        # Each bucket is a recompile of the same frame (and every engine in the process shares that
+        # frame's cache); leave room for all of them.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(buckets) + 8)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 16 * len(buckets) + 64)
+        self.graph = DecodeGraph(model, backend)
+        kwargs = {"fullgraph": True, "dynamic": False, "backend": self.backend_name}
+        if mode is not None:
+            kwargs["mode"] = mode
+        self.compiled = torch.compile(self.graph, **kwargs)
+        self.compile_seconds: dict[int, float] = {}
+        self.warmed_up = False
+
+    @property
+    def largest(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, rows: int) -> int:
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        raise ValueError(f"{rows} rows exceed the largest bucket {self.largest}; split the batch first")
+
+    def warmup(self, progress: bool = True) -> dict[int, float]:
+        """Compiles every bucket on an all-padding batch (only the dummy slot and page are written)."""
+        from inkling_compiled.backend import GREEDY_PAD
+
+        show = progress and sys.stderr.isatty()
+        for i, b in enumerate(self.buckets):
+            if show:
+                sys.stderr.write(f"\rcompiling decode graphs [{'#' * i}{'.' * (len(self.buckets) - i)}] bucket {b}")
+                sys.stderr.flush()
+            self.backend.prepare_decode([], [], [], [GREEDY_PAD] * b, pad_to=b)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                self.compiled()
+            self.compile_seconds[b] = time.perf_counter() - t0
+        if show:
+            sys.stderr.write("\r" + " " * 60 + "\r")
+        self.warmed_up = True
+        return dict(self.compile_seconds)
+
+    def run(self) -> tuple[torch.Tensor, ...]:
+        """Replays the graph for the bucket the backend was prepared for; outputs are copies the caller owns."""
+        with torch.inference_mode():
+            if not self.warmed_up:
+                outputs = self.compiled()
+            else:
+                try:
+                    with torch._dynamo.config.patch(error_on_recompile=True):
+                        outputs = self.compiled()
+                except torch._dynamo.exc.RecompileError as e:
+                    raise CompileError(f"decode step would recompile after warm-up: {e}") from None
+        # CUDA-graph outputs live in graph-owned memory that the next replay overwrites.
+        return tuple(t.clone() for t in outputs) if self.mode == "reduce-overhead" else outputs

@@ -1,0 +1,121 @@
+"""Decode throughput: our engine against transformers' own `generate`, same weights, same process.
+
+Decode tokens/s counts the tokens produced after the first one (the first comes out of prefill), over
+the time those steps took. Each measurement runs once untimed first. Results are ratios, printed and
+written as JSON; nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .engine import Engine
+from .sampling import SamplingParams
+from .tiny import build_tiny_checkpoint
+
+
+def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 259, (batch, length), generator=g).tolist()
+
+
+def bench_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+
+    def run() -> tuple[float, int]:
+        for p in prompts:
+            engine.add_request(p, params)
+        engine.step()  # prefill + first token, untimed
+        steps, t0 = 0, time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        return time.perf_counter() - t0, steps
+
+    run()
+    seconds, steps = run()
+    tokens = len(prompts) * (new_tokens - 1)
+    return {"tok_s": tokens / seconds, "step_ms": 1e3 * seconds / max(steps, 1)}
+
+
+def bench_transformers(hf_model, prompts: list[list[int]], new_tokens: int) -> dict:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        timed(new_tokens)
+        decode_s = timed(new_tokens) - timed(1)
+    tokens = len(prompts) * (new_tokens - 1)
+    return {"tok_s": tokens / decode_s, "step_ms": 1e3 * decode_s / (new_tokens - 1)}
+
+
+def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_tokens: int,
+              engines: list[str], out_json: str | Path | None = None, log=print) -> dict:
+    torch.set_num_threads(1)
+    results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in configs:
+            path = build_tiny_checkpoint(Path(tmp) / name, name)
+            ours = {}
+            for kind in engines:
+                if kind == "transformers":
+                    continue
+                ours[kind] = Engine.from_pretrained(path, compile=(kind == "compiled"), max_batch_size=max(batches),
+                                                    max_model_len=prompt_len + new_tokens + 1,
+                                                    max_prefill_tokens=max(batches) * prompt_len)
+            hf = None
+            if "transformers" in engines:
+                from transformers import InklingForCausalLM
+
+                hf = InklingForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for batch in batches:
+                prompts = _prompts(batch, prompt_len, seed=batch)
+                row = {"config": name, "batch": batch}
+                for kind, engine in ours.items():
+                    row[kind] = bench_engine(engine, prompts, new_tokens)
+                if hf is not None:
+                    row["transformers"] = bench_transformers(hf, prompts, new_tokens)
+                results["runs"].append(row)
+                log(format_row(row, engines))
+    if out_json:
+        Path(out_json).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def format_row(row: dict, engines: list[str]) -> str:
+    cells = [f"{row['config']:>8} bs={row['batch']:<3}"]
+    for kind in engines:
+        if kind in row:
+            cells.append(f"{kind} {row[kind]['tok_s']:8.1f} tok/s ({row[kind]['step_ms']:6.2f} ms/step)")
+    if "transformers" in row:
+        base = row["transformers"]["tok_s"]
+        cells += [f"{kind}/transformers {row[kind]['tok_s'] / base:5.2f}x" for kind in engines
+                  if kind in row and kind != "transformers"]
+    return " | ".join(cells)
+
+
+def markdown_table(results: dict, engines: list[str]) -> str:
+    ours = [e for e in engines if e != "transformers"]
+    head = ["config", "batch"] + [f"{e} tok/s" for e in engines]
+    if "transformers" in engines:
+        head += [f"{e} / transformers" for e in ours]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results["runs"]:
+        cells = [row["config"], str(row["batch"])] + [f"{row[e]['tok_s']:.1f}" for e in engines]
+        if "transformers" in engines:
+            cells += [f"{row[e]['tok_s'] / row['transformers']['tok_s']:.2f}x" for e in ours]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""The compiled decode step: structure (cheap backends, every bucket), generated code and addresses
+(inductor), parity with the eager engine, the HiCache barrier, bucket overflow, errors."""
+
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from inkling_compiled.backend import GREEDY_PAD
+from inkling_compiled.engine import Engine
+from inkling_compiled.errors import CompileError
+from inkling_compiled.graphs import DEFAULT_BUCKETS, GraphRecorder, census
+from inkling_compiled.sampling import SamplingParams
+
+from conftest import PARITY_CONFIGS, PARITY_LENGTHS, random_prompt
+
+STREAMS = ("k", "v", "attn", "mlp")
+GREEDY = SamplingParams(max_new_tokens=10, logprobs=True, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_engine(checkpoint, name, **kw):
+    kw.setdefault("progress", False)
+    return Engine.from_pretrained(checkpoint(name), compile=True, **kw)
+
+
+# ---- structure on cheap backends -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, inner", [("tiny", "eager"), ("tiny-k3", "eager"), ("tiny", "aot_eager")])
+def test_one_graph_per_bucket_no_breaks_and_a_full_sconv_census(name, inner, checkpoint):
+    recorder = GraphRecorder(inner)
+    engine = compiled_engine(checkpoint, name, max_batch_size=32, compile_backend=recorder)
+    layers = engine.config.num_hidden_layers
+    assert engine.decoder.buckets == DEFAULT_BUCKETS
+    assert len(recorder.graphs) == len(DEFAULT_BUCKETS)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for gm in recorder.graphs:
+        c = census(gm)
+        assert c["sconv_calls"] == 4 * layers
+        sconv = [(x["layer"], x["stream"]) for x in c["custom_calls"] if x["op"] == "inkling::sconv_decode"]
+        assert sorted(sconv) == sorted((layer, s) for layer in range(layers) for s in STREAMS)
+        assert c["ops"]["inkling::kv_write"] == layers
+        assert c["ops"].get("inkling::sconv_extend", 0) == 0
+        assert c["ops"].get("inkling::wait_layer", 0) == 0  # no HiCache barrier unless asked for
+    # after warm-up, a shape outside the buckets must not silently compile a new graph
+    engine.backend.prepare_decode([], [], [], [GREEDY_PAD] * 3, pad_to=3)
+    with pytest.raises(CompileError, match=r"(?s)would recompile after warm-up.*size mismatch"):
+        engine.decoder.run()
+
+
+def test_compile_backend_errors(checkpoint):
+    with pytest.raises(CompileError, match="unknown compile backend 'fast'"):
+        compiled_engine(checkpoint, "tiny", compile_backend="fast")
+    try:
+        import torch_tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(CompileError, match="needs torch-tensorrt"):
+            compiled_engine(checkpoint, "tiny", compile_backend="tensorrt")
+
+
+# ---- inductor: generated code, addresses, parity -------------------------------------------------------
+
+def pool_sizes(engine):
+    """Element counts of every pool/cache tensor and of each per-layer slice of one."""
+    pool = engine.pool
+    tensors = list(pool.conv.values()) + pool.global_kv + pool.sliding_kv
+    return {t.numel() for t in tensors} | {t[0].numel() for t in tensors}
+
+
+def test_inductor_code_has_no_pool_sized_copies(checkpoint):
+    from torch._inductor.utils import run_and_get_code
+
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), warmup=False)
+    _, codes = run_and_get_code(engine.decoder.warmup)
+    assert len(codes) == 2
+    big = pool_sizes(engine)
+    for code in codes:
+        body = code[code.index("def call("):]
+        for dims in re.findall(r"empty_strided_cpu\(\((.*?)\)", body):
+            numel = 1
+            for d in (int(x) for x in dims.replace(" ", "").rstrip(",").split(",") if x):
+                numel *= d
+            assert numel not in big, f"pool-sized buffer allocated in the step: ({dims})"
+        assert not re.search(r"\.clone\(|aten\.copy_|\.copy_\(", body)
+        assert body.count("torch.ops.inkling.sconv_decode.default(") == 4 * engine.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("name", PARITY_CONFIGS)
+def test_compiled_engine_matches_eager_with_continuous_batching(name, checkpoint):
+    """Inductor graphs for buckets (1, 4); 10 rows decode as 4 + 4 + 2 (padded): the overflow splits."""
+    eager = Engine.from_pretrained(checkpoint(name), compile=False, max_batch_size=10)
+    compiled = compiled_engine(checkpoint, name, max_batch_size=10, buckets=(1, 4))
+    prompts = [random_prompt(n, seed=3000 + n) for n in PARITY_LENGTHS]
+    worst = 0.0
+    for engine_outs in [(eager.generate(prompts, GREEDY), compiled.generate(prompts, GREEDY))]:
+        for want, got in zip(*engine_outs):
+            assert got.token_ids == want.token_ids
+            worst = max(worst, max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)))
+    assert worst < 1e-4
+
+    # staggered arrivals, mixed lengths and budgets, one abort: same tokens as eager, step for step
+    def drive(engine):
+        final, rids = {}, []
+        for step in range(120):
+            if step < 12:
+                rids.append(engine.add_request(random_prompt(2 + 7 * step, seed=step),
+                                               SamplingParams(max_new_tokens=3 + step % 6, ignore_eos=True)))
+            if step == 6:
+                engine.abort(rids[2])
+            final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            if step >= 12 and not engine.has_unfinished():
+                break
+        return [final[r] for r in rids]
+
+    assert drive(compiled) == drive(eager)
+    print(f"\n{name}: compiled (inductor) vs eager max logprob diff {worst:.2e}")
+
+
+def test_addresses_are_stable_across_steps(checkpoint):
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), compile_backend="eager")
+    pool, backend = engine.pool, engine.backend
+
+    def addresses():
+        tensors = {f"conv.{k}": v for k, v in pool.conv.items()}
+        tensors.update({f"kv.global.{i}": t for i, t in enumerate(pool.global_kv)})
+        tensors.update({f"kv.sliding.{i}": t for i, t in enumerate(pool.sliding_kv)})
+        tensors.update({f"meta.{k}": v for k, v in backend.buffers.items()})
+        tensors["block_table"] = pool.block_table
+        return {k: v.data_ptr() for k, v in tensors.items()}
+
+    before = addresses()
+    engine.generate([random_prompt(n, seed=n) for n in (3, 9, 15)], SamplingParams(max_new_tokens=5))
+    views = {name: id(getattr(backend.metadata, name)) for name in backend.buffers}
+    engine.generate([random_prompt(n, seed=n) for n in (4, 10, 12)], SamplingParams(max_new_tokens=5))
+    assert addresses() == before
+    # the same bucket hands the compiled step the very same view objects every step
+    assert {name: id(getattr(backend.metadata, name)) for name in backend.buffers} == views
+
+
+# ---- the HiCache barrier --------------------------------------------------------------------------------
+
+class LateCounter:
+    """Loads each layer's state from a host copy on a thread, layer by layer, late; records the waits."""
+
+    def __init__(self, pool, host_copy, delay_s=0.02):
+        self.pool, self.host_copy, self.delay_s = pool, host_copy, delay_s
+        self.done = [threading.Event() for _ in host_copy]
+        self.waits: list[tuple[int, bool]] = []  # (layer, had to block)
+        self.thread = threading.Thread(target=self._load, daemon=True)
+
+    def _load(self):
+        for layer, saved in enumerate(self.host_copy):
+            time.sleep(self.delay_s)
+            for dst, src in zip(self.pool.layer_state(layer), saved):
+                dst.copy_(src)
+            self.done[layer].set()
+
+    def wait_until(self, layer_id):
+        blocked = not self.done[layer_id].is_set()
+        assert self.done[layer_id].wait(timeout=30), f"layer {layer_id} never arrived"
+        self.waits.append((layer_id, blocked))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_step_never_reads_a_layer_before_its_transfer(compile, checkpoint):
+    kw = dict(buckets=(1,), compile_backend="inductor") if compile else {}
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=compile, max_batch_size=2, layer_transfer=True,
+                                    progress=False, **kw)
+    rid = engine.add_request(random_prompt(11, seed=4), SamplingParams(max_new_tokens=5, ignore_eos=True,
+                                                                       logprobs=True))
+    engine.step()  # prefill
+    (req,) = engine.running
+    layers = range(engine.config.num_hidden_layers)
+    host_copy = [[t.clone() for t in engine.pool.layer_state(i)] for i in layers]
+    reference = engine.step()[0]
+
+    # rewind: restore the state, forget the token, then wipe every layer and load it back late
+    req.output.pop(), req.logprobs.pop()
+    for layer in layers:
+        for t in engine.pool.layer_state(layer):
+            t.fill_(float("nan"))
+    counter = LateCounter(engine.pool, host_copy)
+    engine.attach_layer_transfer_counter(counter)
+    counter.thread.start()
+    out = engine.step()[0]
+    counter.thread.join()
+    assert out.request_id == rid
+    assert out.token_ids == reference.token_ids and out.logprobs == reference.logprobs
+    assert list(dict.fromkeys(layer for layer, _ in counter.waits)) == list(layers)  # first waits in layer order
+    assert counter.waits[0][1], "the first wait should have had to block"
+    if compile:  # the graph's barrier: one wait_layer per layer, no Python waits from the accessors
+        assert len(counter.waits) == len(layers)
+
+
+def test_attaching_a_counter_needs_a_barrier_built_in(checkpoint):
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=2, buckets=(1, 2), compile_backend="eager")
+    with pytest.raises(CompileError, match="layer_transfer=True"):
+        engine.attach_layer_transfer_counter(LateCounter(engine.pool, []))
