@@ -12,9 +12,10 @@ import torch
 
 from inkling_compiled.attention import attend
 
+from .library import define
 
-@torch.library.custom_op("inkling::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                     tau: Optional[torch.Tensor], block_table: torch.Tensor, cache_indices: torch.Tensor,
                     seq_lens: torch.Tensor, page_size: int, rel_extent: int) -> torch.Tensor:
     """q [B, nh, hd], table [B, nh, E], tau [B] or None; caches [pages*page_size, nkv, hd];
@@ -35,6 +36,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out[:, 0]
 
 
-@paged_attention.register_fake
-def _(q, k_cache, v_cache, table, tau, block_table, cache_indices, seq_lens, page_size, rel_extent):
-    return torch.empty_like(q)
+paged_attention = define(
+    "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor? tau, Tensor block_table, "
+    "Tensor cache_indices, Tensor seq_lens, int page_size, int rel_extent) -> Tensor",
+    paged_attention_reference, lambda q, *args: torch.empty_like(q))

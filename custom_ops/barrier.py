@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from .library import define
 
 class LayerTransferCounter(Protocol):
     """HiCache-style host->device loading: `wait_until(layer_id)` returns once that layer's state is in place."""
@@ -35,13 +36,11 @@ def set_counter(handle: int, counter: LayerTransferCounter | None) -> None:
     _counters[handle] = counter
 
 
-@torch.library.custom_op("inkling::wait_layer", mutates_args=("states",), tags=(torch.Tag.cudagraph_unsafe,))
-def wait_layer(states: list[torch.Tensor], handle: int, layer_id: int) -> None:
+def wait_layer_kernel(states: list[torch.Tensor], handle: int, layer_id: int) -> None:
     counter = _counters.get(handle)
     if counter is not None:
         counter.wait_until(layer_id)
 
 
-@wait_layer.register_fake
-def _(states, handle, layer_id):
-    return None
+wait_layer = define("wait_layer(Tensor(a!)[] states, int handle, int layer_id) -> ()", wait_layer_kernel,
+                    lambda states, handle, layer_id: None, tags=(torch.Tag.cudagraph_unsafe,))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from .library import define
 
-@torch.library.custom_op("inkling::kv_write", mutates_args=("k_cache", "v_cache"))
-def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             locations: torch.Tensor) -> None:
+
+def kv_write_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       locations: torch.Tensor) -> None:
     """k_cache/v_cache [N, nkv, hd] (one layer, flattened locations); k/v [T, nkv, hd]; locations [T] int64.
 
     A negative location skips its token (a sliding layer's ring only keeps each sequence's last W).
@@ -18,6 +19,6 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_copy_(0, loc, v[keep])
 
 
-@kv_write.register_fake
-def _(k_cache, v_cache, k, v, locations):
-    return None
+kv_write = define(
+    "kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor locations) -> ()",
+    kv_write_reference, lambda k_cache, v_cache, k, v, locations: None)

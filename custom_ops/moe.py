@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .library import define
 
-@torch.library.custom_op("inkling::moe_experts", mutates_args=())
-def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+
+def moe_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                          down: torch.Tensor) -> torch.Tensor:
     """x [T, H]; expert_ids, weights [T, k]; gate_up [E, 2I, H] (rows [0, I) gate); down [E, H, I].
 
     out[t] = sum_j weights[t, j] * down_e(silu(gate_e x) * up_e x) with e = expert_ids[t, j].
@@ -35,6 +36,6 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     return out
 
 
-@moe_experts.register_fake
-def _(x, expert_ids, weights, gate_up, down):
-    return torch.empty_like(x)
+moe_experts = define(
+    "moe_experts(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, Tensor down) -> Tensor",
+    moe_experts_reference, lambda x, expert_ids, weights, gate_up, down: torch.empty_like(x))

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from .library import define
 from .reference import packed_causal_conv
 
 
-@torch.library.custom_op("inkling::sconv_decode", mutates_args=("state",))
-def sconv_decode(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cache_indices: torch.Tensor
-                 ) -> torch.Tensor:
+def sconv_decode_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cache_indices: torch.Tensor
+                           ) -> torch.Tensor:
     """One token per row: y = conv over [window, x] (no residual); the window shifts in x, in place.
 
     x [B, D] fp32, weight [D, K] fp32, cache_indices [B] int32 -> y [B, D].
@@ -29,14 +29,8 @@ def sconv_decode(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cac
     return y
 
 
-@sconv_decode.register_fake
-def _(x, state, weight, cache_indices):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("inkling::sconv_extend", mutates_args=("state",))
-def sconv_extend(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, query_start_loc: torch.Tensor,
-                 has_initial_state: torch.Tensor, cache_indices: torch.Tensor) -> torch.Tensor:
+def sconv_extend_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, query_start_loc: torch.Tensor,
+                           has_initial_state: torch.Tensor, cache_indices: torch.Tensor) -> torch.Tensor:
     """Packed variable-length tokens: y = conv (no residual) with each sequence's history.
 
     x [T, D] fp32 packed by query_start_loc [B+1] int32; history is the slot's window where
@@ -60,6 +54,11 @@ def sconv_extend(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, que
     return y
 
 
-@sconv_extend.register_fake
-def _(x, state, weight, query_start_loc, has_initial_state, cache_indices):
-    return torch.empty_like(x)
+sconv_decode = define(
+    "sconv_decode(Tensor x, Tensor(a!) state, Tensor weight, Tensor cache_indices) -> Tensor",
+    sconv_decode_reference, lambda x, state, weight, cache_indices: torch.empty_like(x))
+
+sconv_extend = define(
+    "sconv_extend(Tensor x, Tensor(a!) state, Tensor weight, Tensor query_start_loc, Tensor has_initial_state, "
+    "Tensor cache_indices) -> Tensor",
+    sconv_extend_reference, lambda x, state, weight, qsl, his, cache_indices: torch.empty_like(x))

@@ -26,6 +26,18 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
     return dtype
 
 
+def column_major(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a matmul weight `[..., out, in]` (used as x @ W^T) is better stored transposed.
+
+    Measured on our CPUs (MKL, one thread): a GEMV with a wide output streams about twice as fast
+    when W^T is the contiguous operand; a tall one is a little faster as stored. Only the memory
+    layout changes: names, shapes and values stay those of the checkpoint.
+    """
+    is_matmul = name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) or name == "lm_head.weight"
+    is_matmul = is_matmul or (".shared_experts." in name)
+    return is_matmul and len(shape) >= 2 and shape[-2] > shape[-1]
+
+
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None
                ) -> tuple[InklingForCausalLM, str | None]:
     """Builds the model on the meta device and assigns each checkpoint tensor as it is read.
@@ -42,8 +54,11 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
             t = t[:rows]
         # Always a fresh, allocator-aligned tensor: safetensors hands out views into the mmap at
         # arbitrary alignment, and SIMD kernels round differently on differently aligned data.
-        out = torch.empty(t.shape, dtype=torch.float32 if keeps_fp32(name) else dtype, device=device)
-        return out.copy_(t)
+        out_dtype = torch.float32 if keeps_fp32(name) else dtype
+        if column_major(name, t.shape):
+            fresh = torch.empty(t.shape[:-2] + (t.shape[-1], t.shape[-2]), dtype=out_dtype, device=device)
+            return fresh.copy_(t.transpose(-1, -2)).transpose(-1, -2)
+        return torch.empty(t.shape, dtype=out_dtype, device=device).copy_(t)
 
     tensors, report = read_text_tensors(path, config, convert)
     with torch.device("meta"):

@@ -3,8 +3,24 @@
 import pytest
 import torch
 
-from inkling_compiled.custom_ops import kv_write, paged_attention, sconv_decode, sconv_extend
+from inkling_compiled.custom_ops import kv_write, native_kernels, paged_attention, sconv_decode, sconv_extend
+from inkling_compiled.custom_ops.attention import paged_attention_reference
+from inkling_compiled.custom_ops.kv import kv_write_reference
+from inkling_compiled.custom_ops.moe import moe_experts_reference
 from inkling_compiled.custom_ops.reference import packed_causal_conv
+from inkling_compiled.custom_ops.sconv import sconv_decode_reference, sconv_extend_reference
+
+# Each kernel test runs on the dispatched op (the C++ kernel on CPU when it built) and on the
+# plain-torch reference kernel.
+IMPLS = {
+    "op": dict(decode=sconv_decode, extend=sconv_extend, kv=kv_write),
+    "reference": dict(decode=sconv_decode_reference, extend=sconv_extend_reference, kv=kv_write_reference),
+}
+
+
+def test_native_kernels_are_in_use():
+    assert native_kernels(), "the C++ CPU kernels should build on a machine with a compiler"
+    assert "inkling_cpu.cpp" in torch._C._dispatch_dump("inkling::sconv_decode")
 
 
 def conv_one_sequence(history, xs, w):
@@ -26,8 +42,10 @@ def make_pool(slots, K, D, seed):
     return pool, g
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_sconv_decode_is_bit_identical_to_reference(K):
+def test_sconv_decode_is_bit_identical_to_reference(K, impl):
+    sconv_decode = IMPLS[impl]["decode"]
     D, slots = 24, 9
     pool, g = make_pool(slots, K, D, seed=K)
     state = pool[1]  # a view, as the backend hands it
@@ -45,8 +63,10 @@ def test_sconv_decode_is_bit_identical_to_reference(K):
     assert torch.equal(pool[0], before[0]) and torch.equal(pool[2], before[2])
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_sconv_extend_is_bit_identical_to_reference(K):
+def test_sconv_extend_is_bit_identical_to_reference(K, impl):
+    sconv_extend = IMPLS[impl]["extend"]
     D, slots = 16, 8
     pool, g = make_pool(slots, K, D, seed=10 + K)
     state = pool[2]
@@ -91,7 +111,9 @@ def test_decode_after_extend_continues_the_sequence():
     assert torch.equal(s1, s2)
 
 
-def test_kv_write_skips_negative_locations():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kv_write_skips_negative_locations(impl):
+    kv_write = IMPLS[impl]["kv"]
     kc, vc = torch.zeros(6, 2, 3), torch.zeros(6, 2, 3)
     k, v = torch.randn(3, 2, 3), torch.randn(3, 2, 3)
     kv_write(kc, vc, k, v, torch.tensor([4, -1, 0]))
@@ -112,6 +134,9 @@ def op_samples():
         torch.zeros(8, 2, 4), torch.zeros(8, 2, 4), torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g),
         torch.tensor([5, -1, 2]))
     block_table = torch.tensor([[0, 0], [1, 2], [3, 0]], dtype=torch.int32)
+    yield torch.ops.inkling.moe_experts.default, (
+        torch.randn(3, 8, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]), torch.rand(3, 2, generator=g),
+        torch.randn(3, 12, 8, generator=g), torch.randn(3, 8, 6, generator=g))
     yield torch.ops.inkling.paged_attention.default, (
         torch.randn(2, 4, 8, generator=g), torch.randn(16, 2, 8, generator=g), torch.randn(16, 2, 8, generator=g),
         torch.randn(2, 4, 6, generator=g), torch.rand(2, generator=g) + 1, block_table,
@@ -121,6 +146,17 @@ def op_samples():
 @pytest.mark.parametrize("op, args", list(op_samples()), ids=lambda x: str(x) if not isinstance(x, tuple) else "")
 def test_opcheck(op, args):
     torch.library.opcheck(op, args)
+
+
+def test_native_paged_attention_and_moe_match_their_references():
+    g = torch.Generator().manual_seed(5)
+    for op, ref, args in [
+        (paged_attention, paged_attention_reference, list(op_samples())[-1][1]),
+        (torch.ops.inkling.moe_experts.default, moe_experts_reference, (
+            torch.randn(7, 16, generator=g), torch.randint(0, 5, (7, 2), generator=g), torch.rand(7, 2, generator=g),
+            torch.randn(5, 24, 16, generator=g), torch.randn(5, 16, 12, generator=g))),
+    ]:
+        assert torch.allclose(op(*args), ref(*args), atol=1e-5, rtol=1e-5)
 
 
 def test_paged_attention_reads_only_its_pages():

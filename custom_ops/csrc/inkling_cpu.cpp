@@ -1,0 +1,234 @@
+// CPU kernels of the `inkling` ops. The schemas are defined in Python (custom_ops/library.py); this
+// file only registers CPU implementations. Built with -ffp-contract=off so that every product and sum
+// rounds exactly as the plain-torch references do: the conv kernels are bit-identical to them.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+void check_state(const at::Tensor& state, const at::Tensor& x) {
+  TORCH_CHECK(state.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
+              "inkling conv kernels take fp32 inputs and fp32 state");
+  TORCH_CHECK(state.dim() == 3 && state.stride(2) == 1, "conv state must be [slots, K-1, D] with unit channel stride");
+}
+
+// y[b] = sum over the window [state[slot] (K-1 rows), x[b]] of tap * weight; then the window shifts in x[b].
+at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tensor& weight_in,
+                        const at::Tensor& cache_indices) {
+  check_state(state, x_in);
+  const auto x = x_in.contiguous();
+  const auto w = weight_in.to(at::kFloat).contiguous();
+  const auto idx = cache_indices.to(at::kInt).contiguous();
+  const int64_t B = x.size(0), D = x.size(1), K = w.size(1);
+  auto y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  const int32_t* ip = idx.data_ptr<int32_t>();
+  const int64_t s0 = state.stride(0), s1 = state.stride(1);
+  for (int64_t b = 0; b < B; ++b) {
+    float* win = sp + ip[b] * s0;
+    const float* xb = xp + b * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float* wd = wp + d * K;
+      float acc = xb[d] * wd[K - 1];
+      for (int64_t back = 1; back < K; ++back) {
+        const float prod = win[(K - 1 - back) * s1 + d] * wd[K - 1 - back];
+        acc = acc + prod;
+      }
+      yp[b * D + d] = acc;
+      for (int64_t j = 0; j + 1 < K - 1; ++j) win[j * s1 + d] = win[(j + 1) * s1 + d];
+      if (K > 1) win[(K - 2) * s1 + d] = xb[d];
+    }
+  }
+  return y;
+}
+
+// Packed varlen conv with each sequence's history (its slot window where has_initial_state, else zeros);
+// afterwards the slot holds the last K-1 inputs of [history ++ tokens].
+at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tensor& weight_in,
+                        const at::Tensor& query_start_loc, const at::Tensor& has_initial_state,
+                        const at::Tensor& cache_indices) {
+  check_state(state, x_in);
+  const auto x = x_in.contiguous();
+  const auto w = weight_in.to(at::kFloat).contiguous();
+  const auto qsl = query_start_loc.to(at::kLong).contiguous();
+  const auto his = has_initial_state.to(at::kBool).contiguous();
+  const auto idx = cache_indices.to(at::kInt).contiguous();
+  const int64_t B = idx.size(0), D = x.size(1), K = w.size(1), H = K - 1;
+  auto y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  const int64_t* qp = qsl.data_ptr<int64_t>();
+  const bool* hp = his.data_ptr<bool>();
+  const int32_t* ip = idx.data_ptr<int32_t>();
+  const int64_t s0 = state.stride(0), s1 = state.stride(1);
+  std::vector<float> hist(H * D);
+  for (int64_t b = 0; b < B; ++b) {
+    float* win = sp + ip[b] * s0;
+    for (int64_t j = 0; j < H; ++j)
+      for (int64_t d = 0; d < D; ++d) hist[j * D + d] = hp[b] ? win[j * s1 + d] : 0.0f;
+    const int64_t start = qp[b], end = qp[b + 1];
+    auto tap = [&](int64_t src, int64_t d) -> float {
+      return src >= start ? xp[src * D + d] : hist[(H - (start - src)) * D + d];
+    };
+    for (int64_t t = start; t < end; ++t) {
+      for (int64_t d = 0; d < D; ++d) {
+        const float* wd = wp + d * K;
+        float acc = xp[t * D + d] * wd[K - 1];
+        for (int64_t back = 1; back < K; ++back) {
+          const float prod = tap(t - back, d) * wd[K - 1 - back];
+          acc = acc + prod;
+        }
+        yp[t * D + d] = acc;
+      }
+    }
+    for (int64_t j = 0; j < H; ++j)
+      for (int64_t d = 0; d < D; ++d) win[j * s1 + d] = tap(end - H + j, d);
+  }
+  return y;
+}
+
+// Copies rows k[t], v[t] to cache location locations[t]; negative locations are skipped.
+void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
+              const at::Tensor& locations) {
+  const auto loc = locations.to(at::kLong).contiguous();
+  const bool rows_contiguous = k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) &&
+                               v_cache.stride(2) == 1 && v_cache.stride(1) == v_cache.size(2) &&
+                               k_cache.scalar_type() == k_in.scalar_type() &&
+                               v_cache.scalar_type() == v_in.scalar_type();
+  if (!rows_contiguous) {
+    const auto keep = loc.ge(0);
+    const auto where = loc.masked_select(keep);
+    k_cache.index_copy_(0, where, k_in.index({keep}));
+    v_cache.index_copy_(0, where, v_in.index({keep}));
+    return;
+  }
+  const auto k = k_in.contiguous(), v = v_in.contiguous();
+  const int64_t T = loc.size(0);
+  const int64_t row = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks0 = k_cache.stride(0) * k_cache.element_size(), vs0 = v_cache.stride(0) * v_cache.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    if (lp[t] < 0) continue;
+    std::memcpy(kc + lp[t] * ks0, kp + t * row, row);
+    std::memcpy(vc + lp[t] * vs0, vp + t * row, row);
+  }
+}
+
+// Decode attention of one query per row over its paged keys (global layers): the recipe of
+// inkling_compiled/attention.py (band bias, log scale tau, 1/hd, fp32 softmax) for fp32 tensors.
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& table_in, const std::optional<at::Tensor>& tau_in,
+                           const at::Tensor& block_table, const at::Tensor& cache_indices,
+                           const at::Tensor& seq_lens, int64_t page_size, int64_t rel_extent) {
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
+              "the CPU paged_attention kernel is fp32");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "caches need unit head_dim stride");
+  const auto q = q_in.contiguous(), table = table_in.contiguous();
+  const auto bt = block_table.to(at::kInt).contiguous();
+  const auto idx = cache_indices.to(at::kInt).contiguous();
+  const auto lens = seq_lens.to(at::kInt).contiguous();
+  at::Tensor tau;
+  if (tau_in.has_value()) tau = tau_in->to(at::kFloat).contiguous();
+  const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), E = table.size(2);
+  const int64_t group = nh / nkv, pages = bt.size(1);
+  auto out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* tp = table.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* btp = bt.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t k0 = k_cache.stride(0), k1 = k_cache.stride(1), v0 = v_cache.stride(0), v1 = v_cache.stride(1);
+  const float inv_hd = 1.0f / static_cast<float>(hd);
+  std::vector<float> qs(hd), scores, acc(hd);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lens.data_ptr<int32_t>()[b], pos = n - 1;
+    TORCH_CHECK(n >= 1 && (n + page_size - 1) / page_size <= pages, "paged_attention: bad seq_len ", n);
+    const int32_t* row = btp + static_cast<int64_t>(idx.data_ptr<int32_t>()[b]) * pages;
+    const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
+    scores.resize(n);
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* qh = qp + (b * nh + h) * hd;
+      for (int64_t d = 0; d < hd; ++d) qs[d] = tau.defined() ? qh[d] * t : qh[d];
+      const float* th = tp + (b * nh + h) * E;
+      const int64_t kvh = h / group;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t loc = static_cast<int64_t>(row[j / page_size]) * page_size + j % page_size;
+        const float* kj = kp + loc * k0 + kvh * k1;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < hd; ++d) dot += qs[d] * kj[d];
+        const int64_t dist = pos - j;
+        float bias = dist < rel_extent ? th[dist] : 0.0f;
+        if (tau.defined()) bias = bias * t;
+        const float s = dot * inv_hd + bias;
+        scores[j] = s;
+        mx = s > mx ? s : mx;
+      }
+      float total = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        scores[j] = std::exp(scores[j] - mx);
+        total += scores[j];
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t loc = static_cast<int64_t>(row[j / page_size]) * page_size + j % page_size;
+        const float* vj = vp + loc * v0 + kvh * v1;
+        const float p = scores[j] / total;
+        for (int64_t d = 0; d < hd; ++d) acc[d] += p * vj[d];
+      }
+      std::memcpy(op + (b * nh + h) * hd, acc.data(), hd * sizeof(float));
+    }
+  }
+  (void)E;
+  return out;
+}
+
+// Routed experts: tokens grouped by expert (stable), each expert's two matmuls run once on its rows.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
+                       const at::Tensor& gate_up, const at::Tensor& down) {
+  const auto ids = expert_ids.to(at::kLong).contiguous();
+  const int64_t T = ids.size(0), k = ids.size(1), E = gate_up.size(0), I = down.size(2);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> rows(E), slots(E);
+  for (int64_t i = 0; i < T * k; ++i) {
+    rows[ip[i]].push_back(i / k);
+    slots[ip[i]].push_back(i);
+  }
+  const auto flat_w = weights.reshape({-1});
+  auto out = at::zeros_like(x);
+  const auto opts = at::TensorOptions().dtype(at::kLong);
+  for (int64_t e = 0; e < E; ++e) {
+    if (rows[e].empty()) continue;
+    const int64_t n = static_cast<int64_t>(rows[e].size());
+    const auto r = at::from_blob(rows[e].data(), {n}, opts);
+    const auto s = at::from_blob(slots[e].data(), {n}, opts);
+    const auto gu = at::linear(x.index_select(0, r), gate_up[e]);
+    const auto h = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
+    out.index_add_(0, r, at::linear(h, down[e]) * flat_w.index_select(0, s).unsqueeze(1));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(inkling, CPU, m) {
+  m.impl("sconv_decode", &sconv_decode);
+  m.impl("sconv_extend", &sconv_extend);
+  m.impl("kv_write", &kv_write);
+  m.impl("paged_attention", &paged_attention);
+  m.impl("moe_experts", &moe_experts);
+}
