@@ -13,9 +13,12 @@ setup(
         "inkling_compiled.custom_ops": "custom_ops",
         "inkling_compiled.graphs": "graphs",
     },
-    install_requires=["torch>=2.13", "msgspec", "safetensors", "nvtx", "tokenizers"],
+    install_requires=["torch>=2.13", "msgspec", "safetensors", "nvtx", "tokenizers", "ninja", "numpy"],
+    # The C++ CPU kernels are compiled on first use (torch.utils.cpp_extension), so their source ships.
+    package_data={"inkling_compiled.custom_ops": ["csrc/*.cpp"]},
     extras_require={
         "test": ["pytest", "transformers==5.23.0", "numpy"],
+        "bench": ["transformers==5.23.0", "matplotlib"],
         # GPU only: its TensorRT libraries cannot be installed on CPU machines.
         "tensorrt": ["torch-tensorrt==2.13.*"],
     },

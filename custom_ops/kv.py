@@ -14,6 +14,13 @@ def kv_write_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Te
     A negative location skips its token (a sliding layer's ring only keeps each sequence's last W).
     """
     keep = locations >= 0
+    if k.device.type != "cpu":
+        # No boolean indexing (a host sync, fatal under CUDA graphs): skipped rows rewrite what location 0
+        # (slot 0 / page 0, the dummy) already holds.
+        loc = locations.clamp(min=0)
+        k_cache.index_copy_(0, loc, torch.where(keep[:, None, None], k, k_cache[loc]))
+        v_cache.index_copy_(0, loc, torch.where(keep[:, None, None], v, v_cache[loc]))
+        return
     loc = locations[keep]
     k_cache.index_copy_(0, loc, k[keep])
     v_cache.index_copy_(0, loc, v[keep])

@@ -108,22 +108,27 @@ class CompiledDecoder:
 
     def warmup(self, progress: bool = True) -> dict[int, float]:
         """Compiles every bucket on an all-padding batch (only the dummy slot and page are written)."""
-        from inkling_compiled.backend import GREEDY_PAD
-
         show = progress and sys.stderr.isatty()
         for i, b in enumerate(self.buckets):
             if show:
                 sys.stderr.write(f"\rcompiling decode graphs [{'#' * i}{'.' * (len(self.buckets) - i)}] bucket {b}")
                 sys.stderr.flush()
-            self.backend.prepare_decode([], [], [], [GREEDY_PAD] * b, pad_to=b)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                self.compiled()
-            self.compile_seconds[b] = time.perf_counter() - t0
+            self.warm_bucket(b)
         if show:
             sys.stderr.write("\r" + " " * 60 + "\r")
         self.warmed_up = True
         return dict(self.compile_seconds)
+
+    def warm_bucket(self, bucket: int) -> float:
+        """Compiles (or loads from cache) one bucket's graph on an all-padding batch; seconds taken."""
+        from inkling_compiled.backend import GREEDY_PAD
+
+        self.backend.prepare_decode([], [], [], [GREEDY_PAD] * bucket, pad_to=bucket)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.compiled()
+        self.compile_seconds[bucket] = time.perf_counter() - t0
+        return self.compile_seconds[bucket]
 
     def run(self) -> tuple[torch.Tensor, ...]:
         """Replays the graph for the bucket the backend was prepared for; outputs are copies the caller owns."""

@@ -59,11 +59,17 @@ def census(gm: torch.fx.GraphModule) -> dict:
 
 
 class GraphRecorder:
-    """A Dynamo backend that keeps every FX graph it is handed, then compiles it with `inner`."""
+    """A Dynamo backend that keeps every FX graph it is handed, then compiles it with `inner`.
 
-    def __init__(self, inner: str | Callable = "eager"):
+    With track_addresses, each call of graph i also records the data_ptr of every tensor input
+    (`addresses[i]`, one list per call): what "static input" has to mean for CUDA graphs.
+    """
+
+    def __init__(self, inner: str | Callable = "eager", track_addresses: bool = False):
         self.inner = inner
+        self.track_addresses = track_addresses
         self.graphs: list[torch.fx.GraphModule] = []
+        self.addresses: list[list[list[int | None]]] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.graphs.append(gm)
@@ -72,4 +78,14 @@ class GraphRecorder:
             from torch._dynamo.backends.registry import lookup_backend
 
             inner = lookup_backend(inner)
-        return inner(gm, example_inputs)
+        compiled = inner(gm, example_inputs)
+        if not self.track_addresses:
+            return compiled
+        calls: list[list[int | None]] = []
+        self.addresses.append(calls)
+
+        def run(*args):
+            calls.append([a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args])
+            return compiled(*args)
+
+        return run

@@ -11,13 +11,15 @@ per call and never stored.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import torch
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
 from .attention import attend
 from .cache import StatePool
 from .config import InklingConfig, LayerGeometry
-from .model import attend_from_scratch
+from .model import STREAM_NAMES, attend_from_scratch
+from .nvtx import nvtx_range
 
 
 class StepMetadata(msgspec.Struct):
@@ -83,6 +85,14 @@ class StepBackend:
         # Leading slices of the buffers, made once per length: a compiled step then sees the very same
         # tensor objects (and addresses) every time it replays its bucket.
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        # Prep writes through numpy views of host memory: no tensor is allocated per step. On CPU the
+        # host memory is the buffers themselves; elsewhere a host copy is staged, then copied over.
+        self._staging = self.buffers if self.device.type == "cpu" else {
+            name: torch.zeros_like(t, device="cpu") for name, t in self.buffers.items()}
+        self._host = {name: t.numpy() for name, t in self._staging.items()}
+        self._arange = np.arange(self.max_tokens + 1, dtype=np.int64)
+        self._block_table = pool.block_table_host.numpy()
+        self._conv_range_names = [[f"layer {i} sconv {s}" for s in STREAM_NAMES] for i in range(config.num_hidden_layers)]
 
     # ---- filling the metadata -------------------------------------------------------------------
 
@@ -93,73 +103,72 @@ class StepBackend:
         if tokens > self.max_tokens:
             raise ValueError(f"step has {tokens} tokens; the metadata buffers were sized for max_tokens={self.max_tokens}")
 
-    def _fill(self, is_decode: bool, rows: int, tokens: int, host: dict[str, torch.Tensor]) -> StepMetadata:
-        """Copies host values into the buffers' leading slices and points the metadata at them."""
+    def _publish(self, is_decode: bool, rows: int, tokens: int) -> StepMetadata:
+        """Points the metadata at the filled leading slices (copying them to the device if staged)."""
         md = self.metadata
         md.is_decode = is_decode
-        for name, value in host.items():
+        for name, buf in self.buffers.items():
             n = rows + _ROW_FIELDS[name][1] if name in _ROW_FIELDS else tokens
             view = self._views.get((name, n))
             if view is None:
-                view = self._views[(name, n)] = self.buffers[name][:n]
-            view.copy_(value)
+                view = self._views[(name, n)] = buf[:n]
+            if self._staging is not self.buffers:
+                view.copy_(self._staging[name][:n], non_blocking=True)
             setattr(md, name, view)
         return md
 
-    def _sampling_rows(self, sampling: list[RowSampling], rows: int) -> dict[str, torch.Tensor]:
-        sampling = list(sampling) + [GREEDY_PAD] * (rows - len(sampling))
-        return {
-            "temperature": torch.tensor([s.temperature for s in sampling], dtype=torch.float32),
-            "top_k": torch.tensor([s.top_k for s in sampling], dtype=torch.int64),
-            "top_p": torch.tensor([s.top_p for s in sampling], dtype=torch.float32),
-            "seed": torch.tensor([s.seed for s in sampling], dtype=torch.int64),
-            "sample_counter": torch.tensor([s.counter for s in sampling], dtype=torch.int64),
-        }
+    def _fill_sampling(self, sampling: list[RowSampling], rows: int) -> None:
+        h, n = self._host, len(sampling)
+        for name, attr, pad in (("temperature", "temperature", 0.0), ("top_k", "top_k", 0), ("top_p", "top_p", 1.0),
+                                ("seed", "seed", 0), ("sample_counter", "counter", 0)):
+            h[name][:n] = [getattr(s, attr) for s in sampling]
+            h[name][n:rows] = pad
 
     def prepare_decode(self, input_ids: list[int], slots: list[int], cached_lens: list[int],
                        sampling: list[RowSampling], pad_to: int | None = None) -> StepMetadata:
         """One new token per row at position cached_lens[i]. Rows past len(slots) (up to pad_to) are
         padding: slot 0, position 0, and their writes land in slot 0 / page 0."""
-        rows = pad_to or len(slots)
+        n, rows = len(slots), pad_to or len(slots)
         self._check_bounds(rows, rows)
-        pad = rows - len(slots)
-        slot = torch.tensor(list(slots) + [0] * pad, dtype=torch.int64)
-        pos = torch.tensor(list(cached_lens) + [0] * pad, dtype=torch.int64)
-        ps, W = self.pool.page_size, self.config.sliding_window_size
-        page = self.pool.block_table_host[slot, pos // ps].long()
-        arange = torch.arange(rows, dtype=torch.int64)
-        host = {
-            "input_ids": torch.tensor(list(input_ids) + [0] * pad, dtype=torch.int64),
-            "cache_indices": slot, "query_start_loc": torch.arange(rows + 1), "has_initial_state": slot > 0,
-            "seq_lens": pos + 1, "last_token_index": arange, "positions": pos, "token_seq_start": arange,
-            "global_kv_loc": page * ps + pos % ps, "sliding_kv_loc": slot * W + pos % W,
-            **self._sampling_rows(sampling, rows),
-        }
-        return self._fill(True, rows, rows, host)
+        h, ps, W = self._host, self.pool.page_size, self.config.sliding_window_size
+        for name, values in (("input_ids", input_ids), ("cache_indices", slots), ("positions", cached_lens)):
+            h[name][:n] = values
+            h[name][n:rows] = 0
+        slot, pos = h["cache_indices"][:rows], h["positions"][:rows]
+        np.add(pos, 1, out=h["seq_lens"][:rows], casting="unsafe")
+        h["query_start_loc"][:rows + 1] = self._arange[:rows + 1]
+        np.greater(slot, 0, out=h["has_initial_state"][:rows])
+        h["last_token_index"][:rows] = self._arange[:rows]
+        h["token_seq_start"][:rows] = self._arange[:rows]
+        h["global_kv_loc"][:rows] = self._block_table[slot, pos // ps] * ps + pos % ps
+        h["sliding_kv_loc"][:rows] = slot * W + pos % W
+        self._fill_sampling(sampling, rows)
+        return self._publish(True, rows, rows)
 
     def prepare_prefill(self, prompts: list[list[int]], slots: list[int], sampling: list[RowSampling]) -> StepMetadata:
         """Packed prompts that start from an empty state (positions 0..n-1 of each)."""
-        prompt_lens = [len(p) for p in prompts]
-        rows, tokens = len(slots), sum(prompt_lens)
+        rows = len(slots)
+        lens = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=rows)
+        tokens = int(lens.sum())
         self._check_bounds(rows, tokens)
-        lens = torch.tensor(prompt_lens, dtype=torch.int64)
-        slot = torch.tensor(slots, dtype=torch.int64)
-        starts = torch.cumsum(lens, 0) - lens
-        row_of = torch.repeat_interleave(torch.arange(rows), lens)
-        pos = torch.arange(tokens) - starts[row_of]
-        ps, W = self.pool.page_size, self.config.sliding_window_size
-        page = self.pool.block_table_host[slot[row_of], pos // ps].long()
-        in_window = pos >= (lens[row_of] - W)
-        host = {
-            "input_ids": torch.tensor([t for p in prompts for t in p], dtype=torch.int64),
-            "cache_indices": slot, "query_start_loc": torch.cat([starts, lens.sum().view(1)]),
-            "has_initial_state": torch.zeros(rows, dtype=torch.bool), "seq_lens": lens,
-            "last_token_index": starts + lens - 1, "positions": pos, "token_seq_start": starts[row_of],
-            "global_kv_loc": page * ps + pos % ps,
-            "sliding_kv_loc": torch.where(in_window, slot[row_of] * W + pos % W, -1),
-            **self._sampling_rows(sampling, rows),
-        }
-        return self._fill(False, rows, tokens, host)
+        h, ps, W = self._host, self.pool.page_size, self.config.sliding_window_size
+        starts = np.cumsum(lens) - lens
+        row_of = np.repeat(self._arange[:rows], lens)
+        pos = self._arange[:tokens] - starts[row_of]
+        slot = np.asarray(slots, dtype=np.int64)[row_of]
+        h["input_ids"][:tokens] = [t for p in prompts for t in p]
+        h["cache_indices"][:rows] = slots
+        h["query_start_loc"][:rows] = starts
+        h["query_start_loc"][rows] = tokens
+        h["has_initial_state"][:rows] = False
+        h["seq_lens"][:rows] = lens
+        h["last_token_index"][:rows] = starts + lens - 1
+        h["positions"][:tokens] = pos
+        h["token_seq_start"][:tokens] = starts[row_of]
+        h["global_kv_loc"][:tokens] = self._block_table[slot, pos // ps] * ps + pos % ps
+        h["sliding_kv_loc"][:tokens] = np.where(pos >= lens[row_of] - W, slot * W + pos % W, -1)
+        self._fill_sampling(sampling, rows)
+        return self._publish(False, rows, tokens)
 
     # ---- pure reads -------------------------------------------------------------------------------
 
@@ -190,10 +199,11 @@ class StepBackend:
     def short_conv(self, x32: torch.Tensor, weight: torch.Tensor, layer_id: int, stream: int) -> torch.Tensor:
         md = self.conv_state_metadata()
         state = self.sconv_state(layer_id, stream)
-        if md.is_decode:
-            return torch.ops.inkling.sconv_decode(x32, state, weight, md.cache_indices)
-        return torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
-                                              md.cache_indices)
+        with nvtx_range(self._conv_range_names[layer_id][stream]):
+            if md.is_decode:
+                return torch.ops.inkling.sconv_decode(x32, state, weight, md.cache_indices)
+            return torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
+                                                  md.cache_indices)
 
     def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
         md = self.metadata

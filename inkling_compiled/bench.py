@@ -8,7 +8,10 @@ written as JSON; nothing here asserts a speed.
 from __future__ import annotations
 
 import json
+import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,7 +65,7 @@ def bench_transformers(hf_model, prompts: list[list[int]], new_tokens: int) -> d
 
 
 def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_tokens: int,
-              engines: list[str], out_json: str | Path | None = None, log=print) -> dict:
+              engines: list[str], log=print) -> dict:
     torch.set_num_threads(1)
     results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": []}
@@ -75,7 +78,9 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
                     continue
                 ours[kind] = Engine.from_pretrained(path, compile=(kind == "compiled"), max_batch_size=max(batches),
                                                     max_model_len=prompt_len + new_tokens + 1,
-                                                    max_prefill_tokens=max(batches) * prompt_len)
+                                                    max_prefill_tokens=max(batches) * prompt_len, progress=False)
+                if kind == "compiled":
+                    results.setdefault("compile_s", {})[name] = ours[kind].decoder.compile_seconds
             hf = None
             if "transformers" in engines:
                 from transformers import InklingForCausalLM
@@ -90,8 +95,6 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
                     row["transformers"] = bench_transformers(hf, prompts, new_tokens)
                 results["runs"].append(row)
                 log(format_row(row, engines))
-    if out_json:
-        Path(out_json).write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
@@ -119,3 +122,48 @@ def markdown_table(results: dict, engines: list[str]) -> str:
             cells += [f"{row[e]['tok_s'] / row['transformers']['tok_s']:.2f}x" for e in ours]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def compile_times(config: str, max_batch_size: int = 32) -> dict:
+    """Cold (empty inductor cache) and warm (same cache, new process) warm-up of every default bucket."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = build_tiny_checkpoint(Path(tmp) / config, config)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"), "OMP_NUM_THREADS": "1"}
+        script = ("import json, sys, time, torch; torch.set_num_threads(1); t = time.perf_counter(); "
+                  "from inkling_compiled.engine import Engine; "
+                  f"e = Engine.from_pretrained(sys.argv[1], max_batch_size={max_batch_size}, progress=False); "
+                  "print(json.dumps({'buckets': e.decoder.compile_seconds, 'total_s': time.perf_counter() - t}))")
+        out = {}
+        for phase in ("cold", "warm"):
+            run = subprocess.run([sys.executable, "-c", script, str(ckpt)], env=env, capture_output=True, text=True,
+                                 check=True)
+            out[phase] = json.loads(run.stdout.strip().splitlines()[-1])
+        return out
+
+
+def plot(results: dict, engines: list[str], path: str | Path) -> bool:
+    """tokens/s vs batch per engine and config, as a PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    configs = sorted({r["config"] for r in results["runs"]})
+    fig, axes = plt.subplots(1, len(configs), figsize=(5 * len(configs), 4), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        rows = [r for r in results["runs"] if r["config"] == config]
+        for kind in engines:
+            ax.plot([r["batch"] for r in rows], [r[kind]["tok_s"] for r in rows], marker="o", label=kind)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{config} (prompt {results['prompt_len']}, {results['new_tokens']} new, 1 thread)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -46,7 +46,8 @@ def _run_engine(engine, prompts, params, show_progress: bool):
 
 
 def _engine_args(args):
-    return dict(device=args.device, dtype=args.dtype, compile=args.compile, max_batch_size=args.max_batch_size)
+    return dict(device=args.device, dtype=args.dtype, compile=args.compile, max_batch_size=args.max_batch_size,
+                buckets=tuple(args.buckets) if args.buckets else None, compile_backend=args.compile_backend)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -62,6 +63,9 @@ def _demo(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     outs, seconds = _run_engine(engine, DEMO_PROMPTS, params, show_progress=False)
     print(f"checkpoint: {path} (random weights: the text is noise by design)")
+    if engine.decoder is not None:
+        warm = ", ".join(f"bucket {b}: {t:.1f} s" for b, t in engine.decoder.compile_seconds.items())
+        print(f"compiled decode graphs ({args.compile_backend}): {warm}")
     print(f"{len(DEMO_PROMPTS)} prompts in one continuous batch, compile={args.compile}")
     for prompt, out in zip(DEMO_PROMPTS, outs):
         print(f"  {prompt!r} -> {out.text!r}")
@@ -91,22 +95,79 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import markdown_table, run_bench
+    import json
+    from pathlib import Path
+
+    from .bench import compile_times, markdown_table, plot, run_bench
 
     engines = args.engines
-    results = run_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, engines, out_json=args.json)
+    results = run_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, engines)
     print(markdown_table(results, engines))
+    if args.compile_times:
+        results["compile_times"] = {c: compile_times(c, max(args.batches)) for c in args.compile_times}
+        for c, t in results["compile_times"].items():
+            print(f"{c}: warm-up of buckets {sorted(map(int, t['cold']['buckets']))}: cold {t['cold']['total_s']:.1f} s, "
+                  f"warm {t['warm']['total_s']:.1f} s (new process, same cache)")
     if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
+    if args.png:
+        print(f"wrote {args.png}" if plot(results, engines, args.png) else "no PNG: matplotlib is not installed")
     return 0
 
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
+def _dump_graphs(args: argparse.Namespace) -> int:
+    import torch
+
+    from .graphs.dump import diff_dumps, dump_graphs
+
+    if args.diff:
+        changes = diff_dumps(*args.diff)
+        print("\n".join(changes) if changes else f"no differences between {args.diff[0]} and {args.diff[1]}")
+        return 0
+    if not args.model or not args.out:
+        print("error: dump-graphs needs --model and --out (or --diff A B)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    summary = dump_graphs(args.model, args.out, buckets=tuple(args.buckets) if args.buckets else None,
+                          backend=args.backend, device=args.device)
+    from pathlib import Path
+
+    print((Path(args.out) / "summary.md").read_text(), end="")
+    print(f"wrote {args.out}/ ({len(summary['buckets'])} buckets)")
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .engine import Engine
+    from .profile import profile, run_nsys
+
+    out = Path(args.out)
+    if args.nsys:
+        return run_nsys(sys.argv[1:] if args.argv is None else args.argv, out)
+    torch.set_num_threads(args.threads)
+    engine = Engine.from_pretrained(args.model, **_engine_args(args))
+    summary = profile(engine, out, batch=args.batch, steps=args.steps)
+    print(f"wrote {out}/trace.json (open in https://ui.perfetto.dev or chrome://tracing)")
+    print("per layer (us):", {k: round(v) for k, v in summary["per_layer_us"].items()})
+    print("per conv stream (us):", {k: round(v) for k, v in summary["per_stream_us"].items()})
+    print("prep vs compute (us):", {k: round(v) for k, v in summary["phases_us"].items()})
+    print(f"wrote {out}/summary.png" if summary["png"] else "no summary.png: matplotlib is not installed")
+    return 0
+
+
+def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, buckets=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="run decode steps through the compiled graph")
-    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode through the compiled per-bucket graphs (--no-compile: the eager path)")
+    p.add_argument("--compile-backend", default="inductor", help="inductor | eager | aot_eager | tensorrt")
+    p.add_argument("--max-batch-size", type=int, default=max_batch_size)
+    p.add_argument("--buckets", type=int, nargs="+", default=buckets, help="batch buckets to compile")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
 
@@ -117,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="several prompts in one batch on the embedded tiny checkpoint")
     demo.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
-    _add_engine_options(demo)
+    _add_engine_options(demo, max_batch_size=8, buckets=[8])  # one graph: quick to compile the first time
     demo.set_defaults(run=_demo)
 
     gen = sub.add_parser("generate", help="generate from prompts with a checkpoint")
@@ -138,9 +199,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     bench.add_argument("--prompt-len", type=int, default=64)
     bench.add_argument("--new-tokens", type=int, default=64)
-    bench.add_argument("--engines", nargs="+", default=["eager", "transformers"])
+    bench.add_argument("--engines", nargs="+", default=["compiled", "eager", "transformers"],
+                       choices=["compiled", "eager", "transformers"])
     bench.add_argument("--json", default="bench-decode.json")
+    bench.add_argument("--png", default="bench-decode.png", help="plot (needs matplotlib: the [bench] extra)")
+    bench.add_argument("--compile-times", nargs="*", default=[], metavar="CONFIG",
+                       help="also time cold and warm warm-up of all default buckets for these configs")
     bench.set_defaults(run=_bench)
+    dump = sub.add_parser("dump-graphs", help="write each bucket's graphs, code, guards and op census as text")
+    dump.add_argument("--model", help="checkpoint folder")
+    dump.add_argument("--out", help="output folder")
+    dump.add_argument("--buckets", type=int, nargs="+", default=None)
+    dump.add_argument("--backend", default="inductor", choices=["inductor", "eager", "aot_eager"])
+    dump.add_argument("--device", default="cpu")
+    dump.add_argument("--threads", type=int, default=1)
+    dump.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two dump folders instead")
+    dump.set_defaults(run=_dump_graphs)
+
+    prof = sub.add_parser("profile", help="profile a fixed decode workload (torch.profiler trace, or nsys)")
+    prof.add_argument("--model", required=True, help="checkpoint folder")
+    prof.add_argument("--out", default="profile-out")
+    prof.add_argument("--batch", type=int, default=4)
+    prof.add_argument("--steps", type=int, default=8)
+    prof.add_argument("--nsys", action="store_true", help="print (and run, where nsys exists) the nsys command")
+    _add_engine_options(prof, max_batch_size=8)
+    prof.set_defaults(run=_profile, argv=None)
     return p
 
 

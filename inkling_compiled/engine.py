@@ -23,6 +23,7 @@ from .config import InklingConfig
 from .errors import CompileError, RequestError
 from .loading import load_model
 from .model import InklingForCausalLM
+from .nvtx import nvtx_range
 from .graphs import CompiledDecoder, choose_buckets
 from .runner import CompiledRunner, EagerRunner, StepOutput
 from .sampling import SamplingParams, fold_seed
@@ -189,6 +190,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Advances every unfinished request by one token; returns their cumulative outputs."""
+        with nvtx_range("step"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         advanced: list[Request] = self._aborted
         self._aborted = []
         decoding = list(self.running)

@@ -24,6 +24,7 @@ from inkling_compiled.custom_ops.reference import packed_causal_conv
 
 from .attention import attend
 from .config import InklingConfig, LayerGeometry
+from .nvtx import nvtx_range
 
 # Conv streams of a layer, in transformers' cache order (conv_idx).
 K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM = 0, 1, 2, 3
@@ -182,6 +183,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         H, K = config.hidden_size, config.conv_kernel_size
         self.layer_id = layer_id
+        self.range_name = f"layer {layer_id}"
         self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_id)
         self.attn_sconv = ShortConv(H, K, layer_id, ATTN_STREAM)
@@ -190,9 +192,10 @@ class DecoderLayer(nn.Module):
         self.mlp_sconv = ShortConv(H, K, layer_id, MLP_STREAM)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        ctx.enter_layer(self.layer_id)
-        x = x + self.attn_sconv(self.self_attn(self.input_layernorm(x), ctx), ctx)
-        return x + self.mlp_sconv(self.mlp(self.post_attention_layernorm(x)), ctx)
+        with nvtx_range(self.range_name):
+            ctx.enter_layer(self.layer_id)
+            x = x + self.attn_sconv(self.self_attn(self.input_layernorm(x), ctx), ctx)
+            return x + self.mlp_sconv(self.mlp(self.post_attention_layernorm(x)), ctx)
 
 
 class NormedEmbedding(nn.Module):

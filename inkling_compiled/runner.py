@@ -7,6 +7,7 @@ import torch
 
 from .backend import StepBackend, StepMetadata
 from .model import InklingForCausalLM
+from .nvtx import nvtx_range
 from .sampling import MAX_TOP_LOGPROBS, sample
 
 
@@ -37,16 +38,21 @@ class EagerRunner:
 
     @torch.inference_mode()
     def prefill(self, reqs) -> StepOutput:
-        self.backend.prepare_prefill([r.prompt for r in reqs], [self.backend.pool.slot_of[r.request_id] for r in reqs],
-                                     [r.sampling_row() for r in reqs])
-        return StepOutput(*forward_step(self.model, self.backend))
+        with nvtx_range("prepare prefill"):
+            self.backend.prepare_prefill([r.prompt for r in reqs],
+                                         [self.backend.pool.slot_of[r.request_id] for r in reqs],
+                                         [r.sampling_row() for r in reqs])
+        with nvtx_range(f"prefill {len(reqs)} rows"):
+            return StepOutput(*forward_step(self.model, self.backend))
 
     @torch.inference_mode()
     def decode(self, reqs) -> StepOutput:
         slot_of = self.backend.pool.slot_of
-        self.backend.prepare_decode([r.output[-1] for r in reqs], [slot_of[r.request_id] for r in reqs],
-                                    [r.cached_len for r in reqs], [r.sampling_row() for r in reqs])
-        return StepOutput(*forward_step(self.model, self.backend))
+        with nvtx_range("prepare decode"):
+            self.backend.prepare_decode([r.output[-1] for r in reqs], [slot_of[r.request_id] for r in reqs],
+                                        [r.cached_len for r in reqs], [r.sampling_row() for r in reqs])
+        with nvtx_range(f"decode {len(reqs)} rows (eager)"):
+            return StepOutput(*forward_step(self.model, self.backend))
 
 
 class CompiledRunner(EagerRunner):
@@ -61,8 +67,11 @@ class CompiledRunner(EagerRunner):
         parts = []
         for start in range(0, len(reqs), self.decoder.largest):  # a batch over the largest bucket is split
             chunk = reqs[start:start + self.decoder.largest]
-            self.backend.prepare_decode([r.output[-1] for r in chunk], [slot_of[r.request_id] for r in chunk],
-                                        [r.cached_len for r in chunk], [r.sampling_row() for r in chunk],
-                                        pad_to=self.decoder.bucket_for(len(chunk)))
-            parts.append([t[: len(chunk)] for t in self.decoder.run()])
+            bucket = self.decoder.bucket_for(len(chunk))
+            with nvtx_range("prepare decode"):
+                self.backend.prepare_decode([r.output[-1] for r in chunk], [slot_of[r.request_id] for r in chunk],
+                                            [r.cached_len for r in chunk], [r.sampling_row() for r in chunk],
+                                            pad_to=bucket)
+            with nvtx_range(f"replay bucket {bucket} ({len(chunk)} rows)"):
+                parts.append([t[: len(chunk)] for t in self.decoder.run()])
         return StepOutput(*(torch.cat(ts) for ts in zip(*parts)))

@@ -14,6 +14,7 @@ import math
 import msgspec
 import torch
 
+from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
 from .errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
@@ -94,30 +95,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     logprobs = torch.log_softmax(logits, dim=-1)
     scaled = logits / temperature.clamp(min=1e-6)[:, None]
 
-    # The full-vocab sort only runs when some row asks for top-k or top-p (torch.cond keeps the
-    # compiled step one graph either way).
-    needs_filter = ((top_k > 0) | (top_p < 1.0)).any()
-    candidates = torch.cond(needs_filter, _top_k_top_p, _keep_all, (scaled, top_k, top_p))
+    candidates = torch.ops.inkling.top_k_top_p(scaled, top_k, top_p)  # sorts only rows that filter
 
     gumbel = -torch.log(-torch.log(uniform_noise(seed, counter, V)))
     sampled = (candidates + gumbel).argmax(dim=-1)
     tokens = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
     return tokens, logprobs
 
-
-def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """-inf outside each row's top_k (0 = all), then outside the smallest prefix reaching top_p."""
-    V = scaled.shape[-1]
-    ordered = scaled.sort(dim=-1, descending=True).values
-    k = torch.where(top_k > 0, top_k, V).clamp(max=V)
-    rank = torch.arange(V, device=scaled.device)[None, :]
-    ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    kept = (mass_before < top_p[:, None]) & (rank < k[:, None])  # the top token is always kept
-    threshold = ordered.masked_fill(~kept, float("inf")).min(dim=-1, keepdim=True).values
-    return scaled.masked_fill(scaled < threshold, float("-inf"))
-
-
-def _keep_all(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    return scaled.clone()

@@ -205,3 +205,18 @@ def test_attaching_a_counter_needs_a_barrier_built_in(checkpoint):
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=2, buckets=(1, 2), compile_backend="eager")
     with pytest.raises(CompileError, match="layer_transfer=True"):
         engine.attach_layer_transfer_counter(LateCounter(engine.pool, []))
+
+
+def test_serving_survives_libraries_registering_pytree_nodes_after_warm_up(checkpoint):
+    """Importing e.g. transformers after warm-up registers pytree nodes; no graph may guard on that."""
+    import dataclasses
+
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=2, buckets=(1, 2), compile_backend="eager")
+
+    @dataclasses.dataclass
+    class Late:
+        x: int
+
+    torch.utils._pytree.register_pytree_node(Late, lambda n: ([], n.x), lambda _, x: Late(x))
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0.8, top_p=0.9, seed=1))[0]
+    assert len(out.token_ids) == 3

@@ -134,6 +134,9 @@ def op_samples():
         torch.zeros(8, 2, 4), torch.zeros(8, 2, 4), torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g),
         torch.tensor([5, -1, 2]))
     block_table = torch.tensor([[0, 0], [1, 2], [3, 0]], dtype=torch.int32)
+    yield torch.ops.inkling.top_k_top_p.default, (
+        torch.randn(3, 10, generator=g), torch.tensor([0, 3, 0]), torch.tensor([1.0, 1.0, 0.5]))
+    yield torch.ops.inkling.wait_layer.default, ([pool[0], pool[1]], 0, 2)
     yield torch.ops.inkling.moe_experts.default, (
         torch.randn(3, 8, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]), torch.rand(3, 2, generator=g),
         torch.randn(3, 12, 8, generator=g), torch.randn(3, 8, 6, generator=g))

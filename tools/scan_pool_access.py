@@ -3,7 +3,7 @@
     python tools/scan_pool_access.py [PATH ...]     (default: the package, custom_ops/ and graphs/)
 
 Rules, checked on the parsed source (ast), so they hold for every path, not just the ones tests run:
-1. No function on the metadata-prep path (named `prepare*`, `_fill*`, `init_forward_metadata*`) calls a
+1. No function on the metadata-prep path (named `prepare*`, `_fill*`, `_publish*`, `init_forward_metadata*`) calls a
    pool accessor (`sconv_state`, `sconv_intermediate_window`, `layer_index`, `kv_index`, `kv_cache`).
 2. No assignment stores a pool accessor's result, or a subscript of a pool tensor (`conv`, `global_kv`,
    `sliding_kv`, `intermediate_conv_window`), on an attribute (`self.x = ...`, `obj.x = ...`).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ACCESSORS = {"sconv_state", "sconv_intermediate_window", "layer_index", "kv_index", "kv_cache"}
 POOL_TENSORS = {"conv", "global_kv", "sliding_kv", "intermediate_conv_window"}
-PREP_PREFIXES = ("prepare", "_fill", "init_forward_metadata")
+PREP_PREFIXES = ("prepare", "_fill", "_publish", "init_forward_metadata")
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PATHS = [ROOT / "inkling_compiled", ROOT / "custom_ops", ROOT / "graphs"]
 

@@ -1,0 +1,261 @@
+"""`inkling-compiled dump-graphs`: everything a compiled decode step is made of, as diffable text.
+
+Per bucket (`bucket-<B>/`): the Dynamo graph, the post-grad graph (inductor) or the AOT forward graph
+(aot_eager), the inductor output code, the guards, an op census (custom-op calls labelled with layer
+and stream, aten op counts, pool-sized copies flagged) and the static-input table. At the top:
+`capture.md`, `summary.md` and `summary.json`. Object ids and addresses are replaced by placeholders
+so that two dumps of the same engine are byte-identical; `diff_dumps` compares two of them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from .census import GraphRecorder, census
+
+_GUARD_LOGGER = "torch._dynamo.guards.__guards"
+_IDS = re.compile(r"\b\d{9,}\b")
+_ADDRS = re.compile(r"0x[0-9a-fA-F]{6,}")
+
+
+_VOLATILE_LINES = re.compile(r"^.*Guard eval latency.*\n?", re.MULTILINE)
+_GLOBAL_COUNTERS = re.compile(r"(__[A-Za-z_]+?___)\d+")  # Dynamo's per-process global names
+
+
+def stable_text(text: str) -> str:
+    """Replaces object ids, addresses and per-process counters and drops timings, which change run to run."""
+    text = _GLOBAL_COUNTERS.sub(r"\1N", _VOLATILE_LINES.sub("", text))
+    return _ADDRS.sub("<addr>", _IDS.sub("<id>", text))
+
+
+class _PostGradRecorder:
+    """An inductor post-grad custom pass that keeps the graph text (and changes nothing)."""
+
+    def __init__(self):
+        self.graphs: list[str] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs.append(str(graph))
+
+    def uuid(self):
+        return None  # no caching: the pass must see every compile
+
+
+def _pool_sizes(engine) -> set[int]:
+    pool = engine.pool
+    tensors = list(pool.conv.values()) + pool.global_kv + pool.sliding_kv
+    return {t.numel() for t in tensors} | {t[0].numel() for t in tensors if t.shape[0]}
+
+
+def pool_copies_in_code(code: str, pool_sizes: set[int]) -> list[str]:
+    """Pool- or cache-sized buffers allocated, and any clone/copy_, in inductor code's call()."""
+    body = code[code.find("def call("):] if "def call(" in code else code
+    found = []
+    for dims in re.findall(r"empty_strided_\w+\(\((.*?)\)", body):
+        numel = 1
+        for d in (int(x) for x in dims.replace(" ", "").rstrip(",").split(",") if x.isdigit()):
+            numel *= d
+        if numel in pool_sizes:
+            found.append(f"empty_strided(({dims}))")
+    found += [m.group(0) for m in re.finditer(r"\.clone\(|aten\.copy_|\.copy_\(", body)]
+    return found
+
+
+_ANNOTATED = re.compile(r'"\w+\[([\d, ]*)\]')
+
+
+_FUNCTIONALIZED_BASE = re.compile(r"= auto_functionalized\w*\[([1-9]\d*)\]")
+
+
+def pool_copies_in_graph(gm_text: str, pool_sizes: set[int]) -> list[str]:
+    """Nodes of a readable FX graph (shape-annotated) that copy a pool-sized tensor: copy_/clone, and
+    the mutated bases an un-reinplaced auto_functionalized op returns (it clones them to run)."""
+    found = []
+    for line in gm_text.splitlines():
+        if "aten.copy_" not in line and "aten.clone" not in line and not _FUNCTIONALIZED_BASE.search(line):
+            continue
+        m = _ANNOTATED.search(line)
+        numel = 1
+        for d in (int(x) for x in m.group(1).split(",") if x.strip()) if m else ():
+            numel *= d
+        if m and numel in pool_sizes:
+            found.append(line.strip()[:160])
+    return found
+
+
+def static_inputs(gm: torch.fx.GraphModule, calls: list[list[int | None]]) -> list[dict]:
+    """Every tensor input of the graph: name, shape, dtype, and whether its address held across calls."""
+    rows = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        example = node.meta.get("example_value")
+        if not isinstance(example, torch.Tensor):
+            continue
+        seen = {c[i] for c in calls if i < len(c)}
+        stable = "n/a" if len(calls) < 2 else "yes" if len(seen) == 1 else "no"
+        rows.append({"source": node.name, "shape": list(example.shape),
+                     "dtype": str(example.dtype).replace("torch.", ""), "stable": stable})
+    return rows
+
+
+def aten_counts(graph_text: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for op in re.findall(r"torch\.ops\.aten\.(\w+)", graph_text):
+        counts[f"aten::{op}"] = counts.get(f"aten::{op}", 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[int, ...] | None = None,
+                backend: str = "inductor", device: str = "cpu", steps: int = 3) -> dict:
+    """Compiles each bucket of a fresh engine with a recording backend and writes the dump."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    from inkling_compiled.backend import GREEDY_PAD
+    from inkling_compiled.engine import Engine
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch._dynamo.reset()
+    post_grad = _PostGradRecorder()
+    aot_graphs: list[str] = []
+
+    def record_aot(gm, example_inputs):
+        aot_graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    inner = aot_autograd(fw_compiler=record_aot) if backend == "aot_eager" else backend
+    recorder = GraphRecorder(inner, track_addresses=True)
+    buckets = tuple(sorted(buckets)) if buckets else None
+    engine = Engine.from_pretrained(model_dir, device=device, compile=True, compile_backend=recorder, warmup=False,
+                                    progress=False, buckets=buckets, max_batch_size=max(buckets) if buckets else 32)
+    decoder = engine.decoder
+    sizes = _pool_sizes(engine)
+    guard_log = io.StringIO()
+    handler = logging.StreamHandler(guard_log)
+    logger = logging.getLogger(_GUARD_LOGGER)
+    logger.addHandler(handler)
+    torch._logging.set_logs(guards=True)
+    summary = {"model": str(model_dir), "backend": backend, "device": device, "buckets": {}}
+    try:
+        for bucket in decoder.buckets:
+            first_graph, first_metric = len(recorder.graphs), len(get_compilation_metrics())
+            counters.clear()
+            guard_log.seek(0)
+            guard_log.truncate()
+            codes: list[str] = []
+            with torch._inductor.config.patch(post_grad_custom_post_pass=post_grad, fx_graph_cache=False):
+                if backend == "inductor":
+                    from torch._inductor.utils import run_and_get_code
+
+                    _, codes = run_and_get_code(decoder.warm_bucket, bucket)
+                else:
+                    decoder.warm_bucket(bucket)
+            graphs = recorder.graphs[first_graph:]
+            gm = graphs[0]
+            compiles_after_warmup = len(get_compilation_metrics())
+            for _ in range(steps):  # replays refill the buffers in place: nothing may recompile or move
+                engine.backend.prepare_decode([], [], [], [GREEDY_PAD] * bucket, pad_to=bucket)
+                decoder.run()
+            recompiles = len(get_compilation_metrics()) - compiles_after_warmup
+            c = census(gm)
+            post_text = post_grad.graphs[-1] if backend == "inductor" and post_grad.graphs else (
+                aot_graphs[-1] if backend == "aot_eager" and aot_graphs else "")
+            copies = []
+            for code in codes:
+                copies += pool_copies_in_code(code, sizes)
+            if backend == "aot_eager":
+                copies += pool_copies_in_graph(post_text, sizes)
+            inputs = static_inputs(gm, recorder.addresses[first_graph])
+            c["ops"] = {**c["ops"], **aten_counts(post_text)}
+            record = {
+                "graphs": len(graphs), "graph_breaks": sum(counters["graph_break"].values()),
+                "recompiles": recompiles, "compile_s": round(decoder.compile_seconds[bucket], 3),
+                "sconv_calls": c["sconv_calls"], "pool_copies": len(copies), "ops": c["ops"],
+                "dynamo_frames": len(get_compilation_metrics()) - first_metric,
+                "static_inputs": len(inputs), "unstable_inputs": sum(r["stable"] == "no" for r in inputs),
+            }
+            if device == "cuda":
+                record["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+                record["partitions"] = sum(len(re.findall(r"def partition_\d+", code)) for code in codes)
+            summary["buckets"][str(bucket)] = record
+            _write_bucket(out / f"bucket-{bucket}", gm, post_text, codes, guard_log.getvalue(), c, copies, inputs,
+                          backend)
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+        torch._dynamo.reset()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    (out / "summary.md").write_text(summary_markdown(summary))
+    (out / "capture.md").write_text(capture_table(summary))
+    return summary
+
+
+def _write_bucket(folder: Path, gm, post_text: str, codes: list[str], guards: str, c: dict, copies: list[str],
+                  inputs: list[dict], backend: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "dynamo_graph.txt").write_text(stable_text(gm.print_readable(print_output=False)))
+    label = {"inductor": "post_grad_graph.txt", "aot_eager": "aot_graph.txt"}.get(backend)
+    if label:
+        (folder / label).write_text(stable_text(post_text))
+    if codes:
+        (folder / "output_code.py").write_text(stable_text("\n\n# ---- next module ----\n\n".join(codes)))
+    (folder / "guards.txt").write_text(stable_text(guards))
+    lines = ["# custom-op calls, in graph order", *(f"{x['op']}  layer={x['layer']}  stream={x['stream']}"
+                                                  for x in c["custom_calls"]),
+             "", "# op counts", *(f"{n:6d}  {op}" for op, n in c["ops"].items()),
+             "", f"# pool- or cache-sized copies: {len(copies)}", *copies]
+    (folder / "census.txt").write_text("\n".join(lines) + "\n")
+    table = ["| source | shape | dtype | address stable |", "|---|---|---|---|"]
+    table += [f"| `{r['source']}` | {r['shape']} | {r['dtype']} | {r['stable']} |" for r in inputs]
+    (folder / "static_inputs.md").write_text("\n".join(table) + "\n")
+
+
+def capture_table(summary: dict) -> str:
+    rows = ["| bucket | compile s | graphs | graph breaks | recompiles |", "|---|---|---|---|---|"]
+    for b, r in sorted(summary["buckets"].items(), key=lambda kv: int(kv[0])):
+        rows.append(f"| {b} | {r['compile_s']:.2f} | {r['graphs']} | {r['graph_breaks']} | {r['recompiles']} |")
+    return "\n".join(rows) + "\n"
+
+
+def summary_markdown(summary: dict) -> str:
+    head = (f"# Decode graphs of {Path(summary['model']).name} ({summary['backend']} backend, {summary['device']})\n\n"
+            "| bucket | graphs | breaks | recompiles | compile s | sconv calls | pool copies | inkling ops | aten ops |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
+    rows = []
+    for b, r in sorted(summary["buckets"].items(), key=lambda kv: int(kv[0])):
+        ink = sum(n for op, n in r["ops"].items() if op.startswith("inkling::"))
+        aten = sum(n for op, n in r["ops"].items() if op.startswith("aten::"))
+        rows.append(f"| {b} | {r['graphs']} | {r['graph_breaks']} | {r['recompiles']} | {r['compile_s']:.2f} | "
+                    f"{r['sconv_calls']} | {r['pool_copies']} | {ink} | {aten} |")
+    return head + "\n".join(rows) + "\n"
+
+
+def diff_dumps(a: str | Path, b: str | Path) -> list[str]:
+    """What changed from dump A to dump B: buckets, op counts, copies, graph/break counts, guards."""
+    sa = json.loads((Path(a) / "summary.json").read_text())["buckets"]
+    sb = json.loads((Path(b) / "summary.json").read_text())["buckets"]
+    changes = [f"bucket {k}: only in {a}" for k in sorted(set(sa) - set(sb), key=int)]
+    changes += [f"bucket {k}: only in {b}" for k in sorted(set(sb) - set(sa), key=int)]
+    for k in sorted(set(sa) & set(sb), key=int):
+        ra, rb = sa[k], sb[k]
+        for field in ("graphs", "graph_breaks", "recompiles", "sconv_calls", "pool_copies"):
+            if ra[field] != rb[field]:
+                changes.append(f"bucket {k}: {field} {ra[field]} -> {rb[field]}")
+        for op in sorted(set(ra["ops"]) | set(rb["ops"])):
+            na, nb = ra["ops"].get(op, 0), rb["ops"].get(op, 0)
+            if na != nb:
+                verb = "added" if na == 0 else "removed" if nb == 0 else "count"
+                changes.append(f"bucket {k}: {op} {verb} {na} -> {nb}")
+        ga, gb = (Path(p) / f"bucket-{k}" / "guards.txt" for p in (a, b))
+        if ga.is_file() and gb.is_file():
+            la, lb = set(ga.read_text().splitlines()), set(gb.read_text().splitlines())
+            changes += [f"bucket {k}: guard removed: {g.strip()}" for g in sorted(la - lb)][:20]
+            changes += [f"bucket {k}: guard added: {g.strip()}" for g in sorted(lb - la)][:20]
+    return changes

@@ -1,0 +1,125 @@
+"""Inspection and profiling: graph dumps, their diff, NVTX on/off, the profile trace, prep cost."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inkling_compiled import nvtx as nvtx_ranges
+from inkling_compiled.cli import main
+from inkling_compiled.engine import Engine
+from inkling_compiled.graphs.dump import diff_dumps, dump_graphs
+from inkling_compiled.sampling import SamplingParams
+
+from conftest import random_prompt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import bench_prep  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory, checkpoint):
+    root = tmp_path_factory.mktemp("dumps")
+    a = dump_graphs(checkpoint("tiny"), root / "a", buckets=(1, 2), backend="eager")
+    b = dump_graphs(checkpoint("tiny"), root / "b", buckets=(1, 2), backend="eager")
+    c = dump_graphs(checkpoint("tiny"), root / "c", buckets=(1, 4), backend="eager")
+    return root, a, b, c
+
+
+def test_dump_summary_has_the_census(dumps, checkpoint):
+    root, summary, _, _ = dumps
+    assert set(summary["buckets"]) == {"1", "2"}
+    for record in summary["buckets"].values():
+        assert record["graphs"] == 1 and record["graph_breaks"] == 0 and record["recompiles"] == 0
+        assert record["sconv_calls"] == 4 * 4 and record["ops"]["inkling::sconv_decode"] == 16
+        assert record["pool_copies"] == 0 and record["compile_s"] > 0
+        assert record["unstable_inputs"] == 0 and record["static_inputs"] > 0
+    on_disk = json.loads((root / "a" / "summary.json").read_text())
+    assert on_disk["buckets"]["1"]["sconv_calls"] == 16
+    folder = root / "a" / "bucket-1"
+    for name in ("dynamo_graph.txt", "guards.txt", "census.txt", "static_inputs.md"):
+        assert (folder / name).stat().st_size > 0, name
+    census = (folder / "census.txt").read_text()
+    assert "inkling::sconv_decode  layer=3  stream=mlp" in census
+    assert "<id>" in (folder / "guards.txt").read_text() or "0x" not in (folder / "guards.txt").read_text()
+    assert (root / "a" / "summary.md").read_text().startswith("# Decode graphs")
+
+
+def test_dump_diff_against_itself_is_empty_and_names_changes(dumps):
+    root, *_ = dumps
+    assert diff_dumps(root / "a", root / "b") == []
+    changes = diff_dumps(root / "a", root / "c")
+    assert f"bucket 2: only in {root / 'a'}" in changes
+    assert f"bucket 4: only in {root / 'c'}" in changes
+
+
+def test_dump_graphs_cli_diff(dumps, capsys):
+    root, *_ = dumps
+    assert main(["dump-graphs", "--diff", str(root / "a"), str(root / "b")]) == 0
+    assert "no differences" in capsys.readouterr().out
+
+
+def test_aot_eager_dump_flags_the_pool_copies_it_makes(checkpoint, tmp_path):
+    """aot_eager does not reinplace mutations: every mutated pool slice is cloned, and the dump says so."""
+    summary = dump_graphs(checkpoint("tiny"), tmp_path, buckets=(1,), backend="aot_eager")
+    assert summary["buckets"]["1"]["pool_copies"] >= 16
+    assert summary["buckets"]["1"]["ops"].get("aten::mm", 0) > 0
+
+
+class Tripwire:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def test_nvtx_off_makes_no_call_and_on_gives_the_same_tokens(checkpoint, monkeypatch):
+    import nvtx
+
+    trip = Tripwire()
+    monkeypatch.setattr(nvtx, "annotate", trip)
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4)
+    prompts = [random_prompt(n, seed=n) for n in (3, 11)]
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    off = [o.token_ids for o in engine.generate(prompts, params)]
+    assert trip.calls == 0
+    nvtx_ranges.enable(True)
+    try:
+        on = [o.token_ids for o in engine.generate(prompts, params)]
+    finally:
+        nvtx_ranges.enable(False)
+    assert on == off
+    layers = engine.config.num_hidden_layers
+    # 5 steps (a prefill, then 4 decodes), each: step, prepare, forward, every layer, every conv stream
+    assert trip.calls == 5 * (1 + 2 + layers + 4 * layers)
+
+
+def test_profile_writes_a_trace_with_layer_ranges(checkpoint, tmp_path, capsys):
+    out = tmp_path / "prof"
+    assert main(["profile", "--model", str(checkpoint("tiny")), "--out", str(out), "--compile-backend", "eager",
+                 "--batch", "2", "--steps", "3", "--buckets", "2"]) == 0
+    trace = json.loads((out / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"layer 0", "layer 3", "profile"} <= names
+    assert any(str(n).startswith("inkling::sconv_decode [layer 2 v]") for n in names)  # census-labelled replay op
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["per_stream_us"]) == {"k", "v", "attn", "mlp"}
+    assert summary["phases_us"]["prepare"] > 0 and summary["phases_us"]["decode compute"] > 0
+    assert main(["profile", "--model", "m", "--nsys", "--out", str(tmp_path)]) == 0
+    assert "--capture-range=nvtx --nvtx-capture=profile@inkling" in capsys.readouterr().out
+
+
+def test_prep_singleton_allocates_nothing_per_step(checkpoint, capsys):
+    assert bench_prep.main(["--config", "tiny", "--batch", "4", "--steps", "20"]) == 0
+    out = capsys.readouterr().out
+    singleton = next(line for line in out.splitlines() if line.startswith("singleton"))
+    naive = next(line for line in out.splitlines() if line.startswith("naive ("))
+    assert "   0 tensor allocations/step" in singleton
+    assert int(naive.split(",")[1].split()[0]) >= 4 * 4  # at least one per conv read
+    torch.set_num_threads(1)

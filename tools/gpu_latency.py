@@ -1,0 +1,56 @@
+"""Per-bucket replay latency and decode tokens/s of the compiled engine on CUDA (used by gpu_check.sh).
+
+    python3 tools/gpu_latency.py [--configs tiny small] [--dtype bfloat16]
+"""
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from inkling_compiled.backend import GREEDY_PAD
+from inkling_compiled.engine import Engine
+from inkling_compiled.sampling import SamplingParams
+from inkling_compiled.tiny import build_tiny_checkpoint
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=["tiny", "small"])
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs:
+            path = build_tiny_checkpoint(Path(tmp) / name, name)
+            engine = Engine.from_pretrained(path, device="cuda", dtype=args.dtype, max_batch_size=32, progress=False)
+            d = engine.decoder
+            print(f"{name}: mode={d.mode} warm-up " + ", ".join(f"bs{b} {s:.1f}s" for b, s in d.compile_seconds.items()))
+            for b in d.buckets:
+                engine.backend.prepare_decode([], [], [], [GREEDY_PAD] * b, pad_to=b)
+                for _ in range(3):
+                    d.run()
+                torch.cuda.synchronize()
+                t0, n = time.perf_counter(), 50
+                for _ in range(n):
+                    d.run()
+                torch.cuda.synchronize()
+                ms = (time.perf_counter() - t0) / n * 1e3
+                print(f"  bucket {b:>2}: replay {ms:.3f} ms/step, {b / ms * 1e3:9.1f} tokens/s (padded rows)")
+            for batch in (1, 8, 32):
+                params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+                for i in range(batch):
+                    engine.add_request(list(range(3 + i, 67 + i)), params)
+                engine.step()
+                torch.cuda.synchronize()
+                t0, steps = time.perf_counter(), 0
+                while engine.has_unfinished():
+                    engine.step()
+                    steps += 1
+                dt = time.perf_counter() - t0
+                print(f"  engine batch {batch:>2}: {batch * 63 / dt:9.1f} decode tokens/s ({dt / steps * 1e3:.2f} ms/step)")
+
+
+if __name__ == "__main__":
+    main()
