@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -222,8 +221,3 @@ class InklingConfig:
 
         n = (positions + 1).to(torch.float32)
         return 1.0 + self.log_scaling_alpha * torch.log((n / self.log_scaling_n_floor).clamp(min=1.0))
-
-    def num_parameters(self) -> int:
-        from .checkpoint import expected_shapes
-
-        return sum(math.prod(s) for s in expected_shapes(self).values())

@@ -1,6 +1,5 @@
 """Serving engine (eager path) against transformers batch-1 runs: tokens identical, logprobs within 1e-4."""
 
-import random
 
 import pytest
 import torch
