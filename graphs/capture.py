@@ -72,7 +72,7 @@ class DecodeGraph(nn.Module):
 
 class CompiledDecoder:
     def __init__(self, model: nn.Module, backend, *, buckets: tuple[int, ...], compile_backend="inductor",
-                 mode: str | None = None, cache_dir: str | Path | None = None):
+                 mode: str | None = None, cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None):
         self.backend = backend
         self.buckets = buckets
         self.backend_name = resolve_backend(compile_backend)
@@ -92,6 +92,13 @@ class CompiledDecoder:
         kwargs = {"fullgraph": True, "dynamic": False, "backend": self.backend_name}
         if mode is not None:
             kwargs["mode"] = mode
+        # On CPU, inductor's C++ wrapper replaces the Python code that launches each kernel: it takes
+        # the tiny model's step from ~0.67 to ~0.47 ms. (torch.compile takes a mode or options, not both.)
+        if cpp_wrapper is None:
+            cpp_wrapper = compile_backend == "inductor" and device.type == "cpu" and mode is None
+        self.cpp_wrapper = bool(cpp_wrapper)
+        if self.cpp_wrapper:
+            kwargs["options"] = {"cpp_wrapper": True}
         self.compiled = torch.compile(self.graph, **kwargs)
         self.compile_seconds: dict[int, float] = {}
         self.warmed_up = False

@@ -133,8 +133,10 @@ def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[in
     inner = aot_autograd(fw_compiler=record_aot) if backend == "aot_eager" else backend
     recorder = GraphRecorder(inner, track_addresses=True)
     buckets = tuple(sorted(buckets)) if buckets else None
+    # The Python kernel-launch wrapper, not the C++ one: same graph, same buffers, readable code.
     engine = Engine.from_pretrained(model_dir, device=device, compile=True, compile_backend=recorder, warmup=False,
-                                    progress=False, buckets=buckets, max_batch_size=max(buckets) if buckets else 32)
+                                    progress=False, buckets=buckets, max_batch_size=max(buckets) if buckets else 32,
+                                    cpp_wrapper=False)
     decoder = engine.decoder
     sizes = _pool_sizes(engine)
     guard_log = io.StringIO()

@@ -74,7 +74,8 @@ class Engine:
                  max_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, compile_backend: str = "inductor",
                  compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
-                 layer_transfer: bool = False, warmup: bool = True, progress: bool = True):
+                 cpp_wrapper: bool | None = None, layer_transfer: bool = False, warmup: bool = True,
+                 progress: bool = True):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.device = torch.device(device)
@@ -95,7 +96,7 @@ class Engine:
         if compile:
             self.decoder = CompiledDecoder(model, self.backend, buckets=choose_buckets(max_batch_size, buckets),
                                            compile_backend=compile_backend, mode=compile_mode,
-                                           cache_dir=compile_cache_dir)
+                                           cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper)
             self.runner = CompiledRunner(model, self.backend, self.decoder)
             if warmup:
                 self.decoder.warmup(progress=progress)

@@ -151,15 +151,22 @@ def test_opcheck(op, args):
     torch.library.opcheck(op, args)
 
 
-def test_native_paged_attention_and_moe_match_their_references():
+def test_native_paged_attention_moe_and_filter_match_their_references():
+    from inkling_compiled.custom_ops.sampling import top_k_top_p_reference
+
     g = torch.Generator().manual_seed(5)
     for op, ref, args in [
+        (torch.ops.inkling.top_k_top_p.default, top_k_top_p_reference, (
+            torch.randn(6, 50, generator=g) * 3, torch.tensor([0, 5, 0, 1, 50, 7]),
+            torch.tensor([1.0, 1.0, 0.7, 1.0, 0.2, 0.9]))),
         (paged_attention, paged_attention_reference, list(op_samples())[-1][1]),
         (torch.ops.inkling.moe_experts.default, moe_experts_reference, (
             torch.randn(7, 16, generator=g), torch.randint(0, 5, (7, 2), generator=g), torch.rand(7, 2, generator=g),
             torch.randn(5, 24, 16, generator=g), torch.randn(5, 16, 12, generator=g))),
     ]:
-        assert torch.allclose(op(*args), ref(*args), atol=1e-5, rtol=1e-5)
+        got, want = op(*args), ref(*args)
+        assert torch.equal(got.isinf(), want.isinf())
+        assert torch.allclose(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), atol=1e-5, rtol=1e-5)
 
 
 def test_paged_attention_reads_only_its_pages():

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -197,28 +198,129 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   return out;
 }
 
-// Routed experts: tokens grouped by expert (stable), each expert's two matmuls run once on its rows.
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
+// y[n, O] = x[n, H] @ W^T for a handful of rows, W given as [O, H] with either layout: reads W once.
+// MKL's small-M GEMMs stream weights at about half the memory bandwidth on our CPUs; this does not.
+// (AVX2 clone chosen at load time where the CPU has it.)
+__attribute__((target_clones("avx2", "default")))
+void few_rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
+                     float* y) {
+  constexpr int64_t L = 16;
+  if (w_h == 1) {  // rows of W contiguous: one dot product per (row, output)
+    for (int64_t o = 0; o < O; ++o) {
+      const float* wo = w + o * w_o;
+      for (int64_t r = 0; r < n; ++r) {
+        const float* xr = x + r * H;
+        float acc[L] = {0};
+        int64_t h = 0;
+        for (; h + L <= H; h += L)
+          for (int64_t j = 0; j < L; ++j) acc[j] += xr[h + j] * wo[h + j];
+        float total = 0.0f;
+        for (int64_t j = 0; j < L; ++j) total += acc[j];
+        for (; h < H; ++h) total += xr[h] * wo[h];
+        y[r * O + o] = total;
+      }
+    }
+    return;
+  }
+  // columns of W contiguous (W^T stored row-major): accumulate x[r, h] * W^T[h, :] into y[r, :]
+  std::fill(y, y + n * O, 0.0f);
+  for (int64_t h = 0; h < H; ++h) {
+    const float* wh = w + h * w_h;
+    for (int64_t r = 0; r < n; ++r) {
+      const float xv = x[r * H + h];
+      float* yr = y + r * O;
+      for (int64_t o = 0; o < O; ++o) yr[o] += xv * wh[o];
+    }
+  }
+}
+
+// Routed experts: tokens grouped by expert (stable), each chosen expert's weights read once. Experts
+// with few rows (decode) run the loops above; busier ones (prefill) go through ATen's GEMM.
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::Tensor& weights,
                        const at::Tensor& gate_up, const at::Tensor& down) {
+  constexpr int64_t kFewRows = 16;
   const auto ids = expert_ids.to(at::kLong).contiguous();
-  const int64_t T = ids.size(0), k = ids.size(1), E = gate_up.size(0), I = down.size(2);
+  const auto x = x_in.contiguous();
+  const int64_t T = ids.size(0), k = ids.size(1), E = gate_up.size(0), H = x.size(1), I = down.size(2);
   const int64_t* ip = ids.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> rows(E), slots(E);
   for (int64_t i = 0; i < T * k; ++i) {
     rows[ip[i]].push_back(i / k);
     slots[ip[i]].push_back(i);
   }
-  const auto flat_w = weights.reshape({-1});
+  const auto flat_w = weights.reshape({-1}).to(at::kFloat).contiguous();
   auto out = at::zeros_like(x);
+  const bool fast = x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat &&
+                    down.scalar_type() == at::kFloat && (gate_up.stride(2) == 1 || gate_up.stride(1) == 1) &&
+                    (down.stride(2) == 1 || down.stride(1) == 1);
+  std::vector<float> xs, gu, act, y;
   const auto opts = at::TensorOptions().dtype(at::kLong);
   for (int64_t e = 0; e < E; ++e) {
-    if (rows[e].empty()) continue;
     const int64_t n = static_cast<int64_t>(rows[e].size());
-    const auto r = at::from_blob(rows[e].data(), {n}, opts);
-    const auto s = at::from_blob(slots[e].data(), {n}, opts);
-    const auto gu = at::linear(x.index_select(0, r), gate_up[e]);
-    const auto h = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
-    out.index_add_(0, r, at::linear(h, down[e]) * flat_w.index_select(0, s).unsqueeze(1));
+    if (n == 0) continue;
+    if (!fast || n > kFewRows) {
+      const auto r = at::from_blob(rows[e].data(), {n}, opts);
+      const auto s = at::from_blob(slots[e].data(), {n}, opts);
+      const auto g = at::linear(x.index_select(0, r), gate_up[e]);
+      const auto h = at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I);
+      out.index_add_(0, r, at::linear(h, down[e]) * flat_w.index_select(0, s).unsqueeze(1).to(x.scalar_type()));
+      continue;
+    }
+    xs.resize(n * H);
+    gu.resize(n * 2 * I);
+    act.resize(n * I);
+    y.resize(n * H);
+    const float* xp = x.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) std::memcpy(&xs[r * H], xp + rows[e][r] * H, H * sizeof(float));
+    const auto gw = gate_up[e], dw = down[e];
+    few_rows_matmul(xs.data(), n, H, gw.data_ptr<float>(), 2 * I, gw.stride(0), gw.stride(1), gu.data());
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = gu[r * 2 * I + i];
+        act[r * I + i] = (g / (1.0f + std::exp(-g))) * gu[r * 2 * I + I + i];
+      }
+    few_rows_matmul(act.data(), n, I, dw.data_ptr<float>(), H, dw.stride(0), dw.stride(1), y.data());
+    float* op = out.data_ptr<float>();
+    const float* wp = flat_w.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      const float wgt = wp[slots[e][r]];
+      float* dst = op + rows[e][r] * H;
+      for (int64_t h = 0; h < H; ++h) dst[h] += y[r * H + h] * wgt;
+    }
+  }
+  return out;
+}
+
+// Sampling filter: rows asking for neither top-k nor top-p are copied as they are (no sort); the others
+// keep their top_k values, then the smallest prefix whose softmax mass reaches top_p.
+at::Tensor top_k_top_p(const at::Tensor& scaled_in, const at::Tensor& top_k, const at::Tensor& top_p) {
+  TORCH_CHECK(scaled_in.scalar_type() == at::kFloat, "top_k_top_p takes fp32 scores");
+  const auto scaled = scaled_in.contiguous();
+  auto out = scaled.clone();
+  const auto tk = top_k.to(at::kLong).contiguous();
+  const auto tp = top_p.to(at::kFloat).contiguous();
+  const int64_t B = scaled.size(0), V = scaled.size(1);
+  const float* sp = scaled.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::vector<float> ord(V);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t want = tk.data_ptr<int64_t>()[b];
+    const int64_t k = want > 0 && want < V ? want : V;
+    const float p = tp.data_ptr<float>()[b];
+    if (k == V && p >= 1.0f) continue;
+    const float* row = sp + b * V;
+    std::copy(row, row + V, ord.begin());
+    std::partial_sort(ord.begin(), ord.begin() + k, ord.end(), std::greater<float>());
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; ++j) total += std::exp(ord[j] - ord[0]);
+    float threshold = ord[0], mass_before = 0.0f;
+    for (int64_t j = 0; j < k && mass_before < p; ++j) {  // the top value is always kept
+      threshold = ord[j];
+      mass_before += std::exp(ord[j] - ord[0]) / total;
+    }
+    float* dst = op + b * V;
+    for (int64_t v = 0; v < V; ++v)
+      if (row[v] < threshold) dst[v] = -INFINITY;
   }
   return out;
 }
@@ -231,4 +333,5 @@ TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("kv_write", &kv_write);
   m.impl("paged_attention", &paged_attention);
   m.impl("moe_experts", &moe_experts);
+  m.impl("top_k_top_p", &top_k_top_p);
 }
