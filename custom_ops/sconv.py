@@ -13,11 +13,12 @@ from .library import define
 from .reference import packed_causal_conv
 
 
-def sconv_decode_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cache_indices: torch.Tensor
-                           ) -> torch.Tensor:
+def sconv_decode_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cache_indices: torch.Tensor,
+                           layer_id: int = -1, stream: int = -1) -> torch.Tensor:
     """One token per row: y = conv over [window, x] (no residual); the window shifts in x, in place.
 
-    x [B, D] fp32, weight [D, K] fp32, cache_indices [B] int32 -> y [B, D].
+    x [B, D] fp32, weight [D, K] fp32, cache_indices [B] int32 -> y [B, D]. layer_id and stream only
+    name the call in profiles (the C++ kernel records a `sconv S @ layer L` range).
     """
     K = weight.shape[1]
     idx = cache_indices.long()
@@ -30,7 +31,8 @@ def sconv_decode_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.T
 
 
 def sconv_extend_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, query_start_loc: torch.Tensor,
-                           has_initial_state: torch.Tensor, cache_indices: torch.Tensor) -> torch.Tensor:
+                           has_initial_state: torch.Tensor, cache_indices: torch.Tensor, layer_id: int = -1,
+                           stream: int = -1) -> torch.Tensor:
     """Packed variable-length tokens: y = conv (no residual) with each sequence's history.
 
     x [T, D] fp32 packed by query_start_loc [B+1] int32; history is the slot's window where
@@ -55,10 +57,11 @@ def sconv_extend_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.T
 
 
 sconv_decode = define(
-    "sconv_decode(Tensor x, Tensor(a!) state, Tensor weight, Tensor cache_indices) -> Tensor",
-    sconv_decode_reference, lambda x, state, weight, cache_indices: torch.empty_like(x))
+    "sconv_decode(Tensor x, Tensor(a!) state, Tensor weight, Tensor cache_indices, int layer_id=-1, int stream=-1) "
+    "-> Tensor",
+    sconv_decode_reference, lambda x, *args, **kwargs: torch.empty_like(x))
 
 sconv_extend = define(
     "sconv_extend(Tensor x, Tensor(a!) state, Tensor weight, Tensor query_start_loc, Tensor has_initial_state, "
-    "Tensor cache_indices) -> Tensor",
-    sconv_extend_reference, lambda x, state, weight, qsl, his, cache_indices: torch.empty_like(x))
+    "Tensor cache_indices, int layer_id=-1, int stream=-1) -> Tensor",
+    sconv_extend_reference, lambda x, *args, **kwargs: torch.empty_like(x))

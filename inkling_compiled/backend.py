@@ -199,11 +199,11 @@ class StepBackend:
     def short_conv(self, x32: torch.Tensor, weight: torch.Tensor, layer_id: int, stream: int) -> torch.Tensor:
         md = self.conv_state_metadata()
         state = self.sconv_state(layer_id, stream)
-        with nvtx_range(self._conv_range_names[layer_id][stream]):
+        with nvtx_range(self._conv_range_names[layer_id][stream]):  # eager steps; kernels label replays
             if md.is_decode:
-                return torch.ops.inkling.sconv_decode(x32, state, weight, md.cache_indices)
+                return torch.ops.inkling.sconv_decode(x32, state, weight, md.cache_indices, layer_id, stream)
             return torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
-                                                  md.cache_indices)
+                                                  md.cache_indices, layer_id, stream)
 
     def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
         md = self.metadata

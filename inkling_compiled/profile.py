@@ -1,12 +1,12 @@
 """`inkling-compiled profile`: a fixed decode workload under torch.profiler (or nsys).
 
 Writes `trace.json` (Chrome / Perfetto) and `summary.png` + `summary.json`: time per layer and per conv
-stream, and metadata prep against graph replay. On eager steps the layer and stream ranges are real
-ranges. Compiled replays run no Python per layer, so the trace's `inkling::` op events are labelled
-from the graph census instead: a replay calls its custom ops in graph order, and the census knows
-the layer and stream of each call. Each labelled op gets `[layer L stream]` in its name, and a
-`layer L` span is added from the first to the last op of that layer; those spans are marked
-`"synthetic": true` in their args.
+stream, and metadata prep against graph replay. The CPU conv kernels record `sconv S @ layer L` ranges
+themselves, replays included; eager steps also have `layer L` ranges. Compiled replays run no Python
+per layer, so their `inkling::` op events are also labelled from the graph census: a replay calls its
+custom ops in graph order, and the census knows the layer and stream of each call. Each labelled op
+gets `[layer L stream]` in its name, and a `layer L` span is added from the first to the last op of
+that layer; those spans are marked `"synthetic": true` in their args.
 """
 
 from __future__ import annotations
@@ -87,15 +87,16 @@ def summarize(events: list[dict]) -> dict:
     phases: dict[str, float] = defaultdict(float)
     window = next((e for e in events if e.get("ph") == "X" and e.get("name") == "profile"), None)
     lo, hi = (window["ts"], window["ts"] + window["dur"]) if window else (float("-inf"), float("inf"))
+    kernel_ranges = any(str(e.get("name", "")).startswith("sconv ") for e in events)
     for e in events:
         if e.get("ph") != "X" or not lo <= e.get("ts", lo) <= hi:
             continue
         name = str(e.get("name", ""))
-        if name.startswith("layer ") and " sconv " not in name:
+        if name.startswith("layer ") and name.split()[1].isdigit() and len(name.split()) == 2:
             per_layer[name] += e["dur"]
-        elif " sconv " in name:  # eager ranges: "layer L sconv S"
-            per_stream[name.rsplit(" ", 1)[-1]] += e["dur"]
-        elif name.startswith("inkling::sconv") and "[layer" in name:
+        if kernel_ranges and name.startswith("sconv "):  # "sconv S @ layer L", recorded by the CPU kernels
+            per_stream[name.split()[1]] += e["dur"]
+        elif not kernel_ranges and name.startswith("inkling::sconv") and "[layer" in name:
             per_stream[name.rstrip("]").rsplit(" ", 1)[-1]] += e["dur"]
         if name.startswith(PREPARE):
             phases["prepare"] += e["dur"]

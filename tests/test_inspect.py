@@ -108,6 +108,7 @@ def test_profile_writes_a_trace_with_layer_ranges(checkpoint, tmp_path, capsys):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"layer 0", "layer 3", "profile"} <= names
     assert any(str(n).startswith("inkling::sconv_decode [layer 2 v]") for n in names)  # census-labelled replay op
+    assert "sconv mlp @ layer 3" in names  # recorded by the C++ kernel itself
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["per_stream_us"]) == {"k", "v", "attn", "mlp"}
     assert summary["phases_us"]["prepare"] > 0 and summary["phases_us"]["decode compute"] > 0

@@ -2,14 +2,30 @@
 // file only registers CPU implementations. Built with -ffp-contract=off so that every product and sum
 // rounds exactly as the plain-torch references do: the conv kernels are bit-identical to them.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+// A `sconv S @ layer L` range for torch.profiler, also when the call comes from a compiled graph's
+// replay (no Python runs per layer there). Costs one flag check when nothing is recording.
+struct ConvRange {
+  std::string label;
+  at::RecordFunction guard{at::RecordScope::USER_SCOPE};
+  ConvRange(int64_t layer_id, int64_t stream) {
+    static const char* kStreams[] = {"k", "v", "attn", "mlp"};
+    if (layer_id < 0 || !guard.isActive()) return;
+    label = std::string("sconv ") + (stream >= 0 && stream < 4 ? kStreams[stream] : "?") + " @ layer " +
+            std::to_string(layer_id);
+    guard.before(std::string_view(label));
+  }
+};
 
 void check_state(const at::Tensor& state, const at::Tensor& x) {
   TORCH_CHECK(state.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
@@ -19,7 +35,8 @@ void check_state(const at::Tensor& state, const at::Tensor& x) {
 
 // y[b] = sum over the window [state[slot] (K-1 rows), x[b]] of tap * weight; then the window shifts in x[b].
 at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tensor& weight_in,
-                        const at::Tensor& cache_indices) {
+                        const at::Tensor& cache_indices, int64_t layer_id, int64_t stream) {
+  ConvRange range(layer_id, stream);
   check_state(state, x_in);
   const auto x = x_in.contiguous();
   const auto w = weight_in.to(at::kFloat).contiguous();
@@ -54,7 +71,8 @@ at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tens
 // afterwards the slot holds the last K-1 inputs of [history ++ tokens].
 at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tensor& weight_in,
                         const at::Tensor& query_start_loc, const at::Tensor& has_initial_state,
-                        const at::Tensor& cache_indices) {
+                        const at::Tensor& cache_indices, int64_t layer_id, int64_t stream) {
+  ConvRange range(layer_id, stream);
   check_state(state, x_in);
   const auto x = x_in.contiguous();
   const auto w = weight_in.to(at::kFloat).contiguous();
