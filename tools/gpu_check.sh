@@ -13,4 +13,4 @@ export INKLING_CACHE_DIR="${INKLING_CACHE_DIR:-/tmp/inkling-cache}"
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print('torch', torch.__version__, 'on', torch.cuda.get_device_name())"
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py
-timeout 200 python3 tools/gpu_latency.py
+timeout 200 python3 tools/step_latency.py --device cuda --dtype bfloat16

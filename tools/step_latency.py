@@ -1,6 +1,8 @@
-"""Per-bucket replay latency and decode tokens/s of the compiled engine on CUDA (used by gpu_check.sh).
+"""Per-bucket decode-step latency (metadata prep + graph replay) and engine decode tokens/s of the
+compiled engine; used by gpu_check.sh on CUDA.
 
-    python3 tools/gpu_latency.py [--configs tiny small] [--dtype bfloat16]
+    OMP_NUM_THREADS=1 python tools/step_latency.py --device cpu [--configs tiny small] [--dtype float32]
+    python3 tools/step_latency.py --device cuda --dtype bfloat16
 """
 
 import argparse
@@ -19,31 +21,38 @@ from inkling_compiled.tiny import build_tiny_checkpoint
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=["tiny", "small"])
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, help="default: fp32 on CPU, bf16 on GPU")
     args = p.parse_args()
+    torch.set_num_threads(1)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             path = build_tiny_checkpoint(Path(tmp) / name, name)
-            engine = Engine.from_pretrained(path, device="cuda", dtype=args.dtype, max_batch_size=32, progress=False)
+            engine = Engine.from_pretrained(path, device=args.device, dtype=args.dtype, max_batch_size=32,
+                                            progress=False)
             d = engine.decoder
             print(f"{name}: mode={d.mode} warm-up " + ", ".join(f"bs{b} {s:.1f}s" for b, s in d.compile_seconds.items()))
             for b in d.buckets:
-                engine.backend.prepare_decode([], [], [], [GREEDY_PAD] * b, pad_to=b)
+                def step():
+                    engine.backend.prepare_decode([], [], [], [GREEDY_PAD] * b, pad_to=b)
+                    return d.run()
+
                 for _ in range(3):
-                    d.run()
-                torch.cuda.synchronize()
+                    step()
+                sync()
                 t0, n = time.perf_counter(), 50
                 for _ in range(n):
-                    d.run()
-                torch.cuda.synchronize()
+                    step()
+                sync()
                 ms = (time.perf_counter() - t0) / n * 1e3
-                print(f"  bucket {b:>2}: replay {ms:.3f} ms/step, {b / ms * 1e3:9.1f} tokens/s (padded rows)")
+                print(f"  bucket {b:>2}: prep + replay {ms:.3f} ms/step, {b / ms * 1e3:9.1f} tokens/s (padded rows)")
             for batch in (1, 8, 32):
                 params = SamplingParams(max_new_tokens=64, ignore_eos=True)
                 for i in range(batch):
                     engine.add_request(list(range(3 + i, 67 + i)), params)
                 engine.step()
-                torch.cuda.synchronize()
+                sync()
                 t0, steps = time.perf_counter(), 0
                 while engine.has_unfinished():
                     engine.step()
