@@ -69,6 +69,17 @@ def test_staggered_arrivals_early_finish_and_abort(name, checkpoint, hf_greedy):
     assert engine.pool.pages.num_free == engine.pool.pages.capacity
 
 
+def test_public_api_names(checkpoint):
+    """The names DESIGN.md promises: `from inkling_compiled import Engine, SamplingParams`."""
+    import inkling_compiled
+
+    engine = inkling_compiled.Engine.from_pretrained(checkpoint("tiny"), compile=False)
+    (out,) = engine.generate([[5, 6]], inkling_compiled.SamplingParams(max_new_tokens=2, logprobs=True))
+    assert isinstance(out, inkling_compiled.RequestOutput)
+    assert (len(out.token_ids), len(out.logprobs), out.finish_reason) == (2, 2, "length")
+    assert out.request_id and out.text is not None
+
+
 def test_streaming_outputs_are_cumulative(checkpoint):
     engine = engine_for(checkpoint, "tiny")
     rid = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
