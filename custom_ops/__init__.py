@@ -5,10 +5,11 @@ the slice it mutates, with a fake kernel for tracing, a plain-torch reference ke
 C++ kernel (`csrc/`); `reference.py` holds the conv math the kernels are tested against.
 """
 
-from . import attention, barrier, kv, moe, sampling, sconv  # noqa: F401  (defines the ops)
+from . import attention, barrier, kv, linear, moe, sampling, sconv  # noqa: F401  (defines the ops)
 from .attention import paged_attention
 from .barrier import wait_layer
 from .kv import kv_write
+from .linear import linear
 from .library import native_kernels
 from .moe import moe_experts
 from .sampling import top_k_top_p
@@ -16,5 +17,5 @@ from .sconv import sconv_decode, sconv_extend
 
 native_kernels()
 
-__all__ = ["sconv_decode", "sconv_extend", "kv_write", "paged_attention", "moe_experts", "wait_layer", "top_k_top_p",
+__all__ = ["sconv_decode", "sconv_extend", "kv_write", "paged_attention", "moe_experts", "wait_layer", "top_k_top_p", "linear",
            "native_kernels"]

@@ -26,6 +26,9 @@ from .attention import attend
 from .config import InklingConfig, LayerGeometry
 from .nvtx import nvtx_range
 
+# Projections go through the op: a few-row fast path at decode, ATen's GEMM otherwise.
+linear = torch.ops.inkling.linear
+
 # Conv streams of a layer, in transformers' cache order (conv_idx).
 K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM = 0, 1, 2, 3
 STREAM_NAMES = ("k", "v", "attn", "mlp")
@@ -92,12 +95,12 @@ class Attention(nn.Module):
 
     def forward(self, a: torch.Tensor, ctx) -> torch.Tensor:
         g, T = self.geometry, a.shape[0]
-        q = self.q_norm(self.q_proj(a).view(T, g.num_heads, g.head_dim))
-        k = self.k_norm(self.k_sconv(self.k_proj(a), ctx).view(T, g.num_kv_heads, g.head_dim))
-        v = self.v_sconv(self.v_proj(a), ctx).view(T, g.num_kv_heads, g.head_dim)
-        r = self.r_proj(a).view(T, g.num_heads, -1)
+        q = self.q_norm(linear(a, self.q_proj.weight).view(T, g.num_heads, g.head_dim))
+        k = self.k_norm(self.k_sconv(linear(a, self.k_proj.weight), ctx).view(T, g.num_kv_heads, g.head_dim))
+        v = self.v_sconv(linear(a, self.v_proj.weight), ctx).view(T, g.num_kv_heads, g.head_dim)
+        r = linear(a, self.r_proj.weight).view(T, g.num_heads, -1)
         o = ctx.attention(self.layer_id, g, q, k, v, r, self.rel_logits_proj.proj)
-        return self.o_proj(o.reshape(T, g.q_width))
+        return linear(o.reshape(T, g.q_width), self.o_proj.weight)
 
 
 class DenseMLP(nn.Module):
@@ -110,7 +113,8 @@ class DenseMLP(nn.Module):
         self.global_scale = nn.Parameter(torch.empty(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) * self.global_scale
+        hidden = F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight)
+        return linear(hidden, self.down_proj.weight) * self.global_scale
 
 
 class Router(nn.Module):
@@ -233,7 +237,7 @@ class InklingForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden / self.config.logits_mup_width_multiplier, self.lm_head.weight)
+        return linear(hidden / self.config.logits_mup_width_multiplier, self.lm_head.weight)
 
     def forward(self, ids: torch.Tensor, ctx) -> torch.Tensor:
         return self.logits(self.hidden_states(ids, ctx))

@@ -134,6 +134,7 @@ def op_samples():
         torch.zeros(8, 2, 4), torch.zeros(8, 2, 4), torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g),
         torch.tensor([5, -1, 2]))
     block_table = torch.tensor([[0, 0], [1, 2], [3, 0]], dtype=torch.int32)
+    yield torch.ops.inkling.linear.default, (torch.randn(2, 8, generator=g), torch.randn(6, 8, generator=g))
     yield torch.ops.inkling.top_k_top_p.default, (
         torch.randn(3, 10, generator=g), torch.tensor([0, 3, 0]), torch.tensor([1.0, 1.0, 0.5]))
     yield torch.ops.inkling.wait_layer.default, ([pool[0], pool[1]], 0, 2)
@@ -149,6 +150,17 @@ def op_samples():
 @pytest.mark.parametrize("op, args", list(op_samples()), ids=lambda x: str(x) if not isinstance(x, tuple) else "")
 def test_opcheck(op, args):
     torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+@pytest.mark.parametrize("column_major", [False, True])
+def test_linear_matches_f_linear(rows, column_major):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    if column_major:  # the loader's layout for wide outputs
+        w = w.t().contiguous().t()
+    x = torch.randn(rows, 40, generator=g)
+    assert torch.allclose(torch.ops.inkling.linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 def test_native_paged_attention_moe_and_filter_match_their_references():

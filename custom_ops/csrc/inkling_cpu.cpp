@@ -309,6 +309,23 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   return out;
 }
 
+// y = x @ W^T; a few fp32 rows (decode) through few_rows_matmul, anything else through ATen.
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight) {
+  constexpr int64_t kFewRows = 16;
+  const int64_t H = x_in.size(-1), O = weight.size(0);
+  const int64_t n = H ? x_in.numel() / H : 0;
+  const bool fast = x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && n <= kFewRows &&
+                    weight.dim() == 2 && (weight.stride(1) == 1 || weight.stride(0) == 1);
+  if (!fast) return at::linear(x_in, weight);
+  const auto x = x_in.contiguous();
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = O;
+  auto y = at::empty(sizes, x.options());
+  few_rows_matmul(x.data_ptr<float>(), n, H, weight.data_ptr<float>(), O, weight.stride(0), weight.stride(1),
+                  y.data_ptr<float>());
+  return y;
+}
+
 // Sampling filter: rows asking for neither top-k nor top-p are copied as they are (no sort); the others
 // keep their top_k values, then the smallest prefix whose softmax mass reaches top_p.
 at::Tensor top_k_top_p(const at::Tensor& scaled_in, const at::Tensor& top_k, const at::Tensor& top_p) {
@@ -352,4 +369,5 @@ TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("moe_experts", &moe_experts);
   m.impl("top_k_top_p", &top_k_top_p);
+  m.impl("linear", &linear);
 }
