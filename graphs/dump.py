@@ -47,7 +47,8 @@ class _PostGradRecorder:
         return None  # no caching: the pass must see every compile
 
 
-def _pool_sizes(engine) -> set[int]:
+def pool_sizes(engine) -> set[int]:
+    """Element counts of every pool/cache tensor and of each per-layer slice of one."""
     pool = engine.pool
     tensors = list(pool.conv.values()) + pool.global_kv + pool.sliding_kv
     return {t.numel() for t in tensors} | {t[0].numel() for t in tensors if t.shape[0]}
@@ -138,7 +139,7 @@ def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[in
                                     progress=False, buckets=buckets, max_batch_size=max(buckets) if buckets else 32,
                                     cpp_wrapper=False)
     decoder = engine.decoder
-    sizes = _pool_sizes(engine)
+    sizes = pool_sizes(engine)
     guard_log = io.StringIO()
     handler = logging.StreamHandler(guard_log)
     logger = logging.getLogger(_GUARD_LOGGER)

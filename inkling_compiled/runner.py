@@ -45,12 +45,15 @@ class EagerRunner:
         with nvtx_range(f"prefill {len(reqs)} rows"):
             return StepOutput(*forward_step(self.model, self.backend))
 
-    @torch.inference_mode()
-    def decode(self, reqs) -> StepOutput:
+    def _prepare_decode(self, reqs, pad_to: int | None = None) -> None:
         slot_of = self.backend.pool.slot_of
         with nvtx_range("prepare decode"):
             self.backend.prepare_decode([r.output[-1] for r in reqs], [slot_of[r.request_id] for r in reqs],
-                                        [r.cached_len for r in reqs], [r.sampling_row() for r in reqs])
+                                        [r.cached_len for r in reqs], [r.sampling_row() for r in reqs], pad_to=pad_to)
+
+    @torch.inference_mode()
+    def decode(self, reqs) -> StepOutput:
+        self._prepare_decode(reqs)
         with nvtx_range(f"decode {len(reqs)} rows (eager)"):
             return StepOutput(*forward_step(self.model, self.backend))
 
@@ -63,15 +66,11 @@ class CompiledRunner(EagerRunner):
         self.decoder = decoder
 
     def decode(self, reqs) -> StepOutput:
-        slot_of = self.backend.pool.slot_of
         parts = []
         for start in range(0, len(reqs), self.decoder.largest):  # a batch over the largest bucket is split
             chunk = reqs[start:start + self.decoder.largest]
             bucket = self.decoder.bucket_for(len(chunk))
-            with nvtx_range("prepare decode"):
-                self.backend.prepare_decode([r.output[-1] for r in chunk], [slot_of[r.request_id] for r in chunk],
-                                            [r.cached_len for r in chunk], [r.sampling_row() for r in chunk],
-                                            pad_to=bucket)
+            self._prepare_decode(chunk, pad_to=bucket)
             with nvtx_range(f"replay bucket {bucket} ({len(chunk)} rows)"):
                 parts.append([t[: len(chunk)] for t in self.decoder.run()])
         return StepOutput(*(torch.cat(ts) for ts in zip(*parts)))
