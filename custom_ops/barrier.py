@@ -44,5 +44,7 @@ def wait_layer_kernel(states: list[torch.Tensor], handle: int, layer_id: int) ->
 
 # The tag arrived in later torch releases; without it the op still orders and waits, unpartitioned.
 _UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
-wait_layer = define("wait_layer(Tensor(a!)[] states, int handle, int layer_id) -> ()", wait_layer_kernel,
-                    lambda states, handle, layer_id: None, tags=_UNSAFE)
+# A host-side wait: the same kernel serves every device.
+wait_layer = define("wait_layer(Tensor(a!)[] states, int handle, int layer_id) -> ()",
+                    fake=lambda states, handle, layer_id: None, reference=wait_layer_kernel, cuda=wait_layer_kernel,
+                    tags=_UNSAFE)

@@ -18,8 +18,6 @@ def moe_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: to
 
     out[t] = sum_j weights[t, j] * down_e(silu(gate_e x) * up_e x) with e = expert_ids[t, j].
     """
-    if x.device.type != "cpu":
-        return _moe_experts_capturable(x, expert_ids, weights, gate_up, down)
     k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # group (token, choice) pairs by expert
@@ -38,9 +36,10 @@ def moe_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: to
     return out
 
 
-def _moe_experts_capturable(x, expert_ids, weights, gate_up, down):
+def moe_experts_capturable(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                           down: torch.Tensor) -> torch.Tensor:
     """Without host syncs (CUDA graphs): every expert runs on every row, weighted by 0 where unchosen.
-    Correct at any batch, but it reads all experts; the fused GPU kernel is the place to beat it."""
+    Correct at any batch, but it reads all experts; a grouped GPU kernel is the place to beat it."""
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
         w = (weights * (expert_ids == e)).sum(dim=1, keepdim=True)
@@ -51,4 +50,5 @@ def _moe_experts_capturable(x, expert_ids, weights, gate_up, down):
 
 moe_experts = define(
     "moe_experts(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, Tensor down) -> Tensor",
-    moe_experts_reference, lambda x, expert_ids, weights, gate_up, down: torch.empty_like(x))
+    fake=lambda x, expert_ids, weights, gate_up, down: torch.empty_like(x), reference=moe_experts_reference,
+    cuda=moe_experts_capturable)

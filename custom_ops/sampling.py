@@ -1,9 +1,9 @@
 """Top-k / top-p filtering behind an op: the sort only runs for the rows that ask for it.
 
-A full-vocab sort costs ~7 ms at batch 32 on our CPUs, and greedy or plain-temperature rows do not
-need it. Deciding that is data-dependent, which a static graph cannot express without a branch;
-as an opaque op the kernel simply looks (on CPU, where looking is free). On other devices it always
-sorts every row, so nothing syncs under CUDA graphs.
+A full-vocabulary sort is expensive, and greedy or plain-temperature rows do not need it. Deciding
+that is data-dependent, which a static graph cannot express without a branch; as an opaque op the
+kernel simply looks (on the host, where looking is free). The capturable kernel cannot look, so it
+filters every row (a no-op for rows with top_k=0 and top_p=1).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ def filter_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))
     probs = torch.softmax(ordered, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    kept = (mass_before < top_p[:, None]) & (rank < k[:, None])  # the top token is always kept
+    # The top token is always kept; top_p >= 1 keeps every token (the running sum may round past 1
+    # before the tail, which must not drop it).
+    kept = ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)) & (rank < k[:, None])
     threshold = ordered.masked_fill(~kept, float("inf")).min(dim=-1, keepdim=True).values
     return scaled.masked_fill(scaled < threshold, float("-inf"))
 
 
 def top_k_top_p_reference(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    if scaled.device.type != "cpu":
-        return filter_rows(scaled, top_k, top_p)
     rows = ((top_k > 0) | (top_p < 1.0)).nonzero()[:, 0]
     out = scaled.clone()
     if rows.numel():
@@ -37,5 +37,6 @@ def top_k_top_p_reference(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torc
     return out
 
 
-top_k_top_p = define("top_k_top_p(Tensor scaled, Tensor top_k, Tensor top_p) -> Tensor", top_k_top_p_reference,
-                     lambda scaled, top_k, top_p: torch.empty_like(scaled))
+top_k_top_p = define("top_k_top_p(Tensor scaled, Tensor top_k, Tensor top_p) -> Tensor",
+                     fake=lambda scaled, top_k, top_p: torch.empty_like(scaled), reference=top_k_top_p_reference,
+                     cuda=filter_rows)

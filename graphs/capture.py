@@ -1,10 +1,14 @@
-"""One compiled decode graph per batch-size bucket, over the step backend's static buffers.
+"""One compiled decode graph per batch-size bucket, over the step's static buffers.
 
 The whole step (embedding, every layer, final norm, lm_head, sampling and logprobs) is
 `torch.compile(fullgraph=True, dynamic=False)`: a graph break is an error, and each bucket is its own
 static-shape graph. On CUDA the inductor backend runs with `mode="reduce-overhead"` (CUDA graphs); on
 CPU it is plain inductor. Warm-up compiles every bucket; after it, a recompile is an error that names
 the guard that failed.
+
+This layer knows nothing of the engine: its caller hands it the step as a module (everything the step
+reads reached through that module, so it is all static) and a callback that prepares an all-padding
+batch of a given size, which is what warm-up runs.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
 from inkling_compiled.errors import CompileError
+from inkling_compiled.paths import default_cache_dir
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 BACKENDS = ("inductor", "eager", "aot_eager", "tensorrt")
@@ -50,33 +56,19 @@ def resolve_backend(name):
 
 
 def default_compile_cache_dir() -> Path:
-    from inkling_compiled.tiny import default_cache_dir
-
     return default_cache_dir() / "inductor"
 
 
-class DecodeGraph(nn.Module):
-    """The decode step as a module: parameters, pools and metadata are all reached through `self`,
-    which makes them static inputs (fixed addresses) for the compiler and for CUDA graphs."""
-
-    def __init__(self, model: nn.Module, backend):
-        super().__init__()
-        self.model = model
-        self.backend = backend
-
-    def forward(self):
-        from inkling_compiled.runner import forward_step
-
-        return forward_step(self.model, self.backend)
-
-
 class CompiledDecoder:
-    def __init__(self, model: nn.Module, backend, *, buckets: tuple[int, ...], compile_backend="inductor",
-                 mode: str | None = None, cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None):
-        self.backend = backend
+    """`step()` compiled once per bucket; `run()` replays the bucket the buffers were last prepared for."""
+
+    def __init__(self, step: nn.Module, prepare_padding: Callable[[int], object], *, device: torch.device | str,
+                 buckets: tuple[int, ...], compile_backend="inductor", mode: str | None = None,
+                 cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None):
+        self.step, self.prepare_padding = step, prepare_padding
         self.buckets = buckets
-        self.backend_name = resolve_backend(compile_backend)
-        device = backend.device
+        self.compiler = resolve_backend(compile_backend)
+        device = torch.device(device)
         if mode is None and compile_backend == "inductor" and device.type == "cuda":
             mode = "reduce-overhead"
         self.mode = mode
@@ -88,18 +80,17 @@ class CompiledDecoder:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(buckets) + 8)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 16 * len(buckets) + 64)
-        self.graph = DecodeGraph(model, backend)
-        kwargs = {"fullgraph": True, "dynamic": False, "backend": self.backend_name}
+        kwargs = {"fullgraph": True, "dynamic": False, "backend": self.compiler}
         if mode is not None:
             kwargs["mode"] = mode
-        # On CPU, inductor's C++ wrapper replaces the Python code that launches each kernel: it takes
-        # the tiny model's step from ~0.67 to ~0.47 ms. (torch.compile takes a mode or options, not both.)
+        # On CPU, inductor's C++ wrapper replaces the Python code that launches each kernel, which is a
+        # large share of a small model's step. (torch.compile takes a mode or options, not both.)
         if cpp_wrapper is None:
             cpp_wrapper = compile_backend == "inductor" and device.type == "cpu" and mode is None
         self.cpp_wrapper = bool(cpp_wrapper)
         if self.cpp_wrapper:
             kwargs["options"] = {"cpp_wrapper": True}
-        self.compiled = torch.compile(self.graph, **kwargs)
+        self.compiled = torch.compile(step, **kwargs)
         self.compile_seconds: dict[int, float] = {}
         self.warmed_up = False
 
@@ -128,9 +119,7 @@ class CompiledDecoder:
 
     def warm_bucket(self, bucket: int) -> float:
         """Compiles (or loads from cache) one bucket's graph on an all-padding batch; seconds taken."""
-        from inkling_compiled.backend import GREEDY_PAD
-
-        self.backend.prepare_decode([], [], [], [GREEDY_PAD] * bucket, pad_to=bucket)
+        self.prepare_padding(bucket)
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.compiled()
@@ -138,7 +127,7 @@ class CompiledDecoder:
         return self.compile_seconds[bucket]
 
     def run(self) -> tuple[torch.Tensor, ...]:
-        """Replays the graph for the bucket the backend was prepared for; outputs are copies the caller owns."""
+        """Replays the graph for the bucket the buffers were prepared for; outputs are copies the caller owns."""
         with torch.inference_mode():
             if not self.warmed_up:
                 outputs = self.compiled()

@@ -13,9 +13,11 @@ from typing import Callable
 
 import torch
 
+from inkling_compiled.streams import SCONV_MODULES, STREAM_NAMES
+
 SCONV_OPS = ("sconv_decode", "sconv_extend")
 _LAYER = re.compile(r"layers[\[.](\d+)")
-_STREAM_MODULES = {"k_sconv": "k", "v_sconv": "v", "attn_sconv": "attn", "mlp_sconv": "mlp"}
+_STREAM_OF_MODULE = dict(zip(SCONV_MODULES, STREAM_NAMES))
 
 
 def op_name(target) -> str | None:
@@ -36,7 +38,7 @@ def _where(node: torch.fx.Node) -> tuple[int | None, str | None]:
     for path in paths:  # outermost first: the last match is the innermost module
         if m := _LAYER.search(path):
             layer = int(m.group(1))
-        stream = _STREAM_MODULES.get(path.rsplit(".", 1)[-1], stream)
+        stream = _STREAM_OF_MODULE.get(path.rsplit(".", 1)[-1], stream)
     return layer, stream
 
 

@@ -1,10 +1,13 @@
-"""`inkling-compiled dump-graphs`: everything a compiled decode step is made of, as diffable text.
+"""Graph dumps: everything a compiled decode step is made of, as diffable text.
 
 Per bucket (`bucket-<B>/`): the Dynamo graph, the post-grad graph (inductor) or the AOT forward graph
 (aot_eager), the inductor output code, the guards, an op census (custom-op calls labelled with layer
 and stream, aten op counts, pool-sized copies flagged) and the static-input table. At the top:
 `capture.md`, `summary.md` and `summary.json`. Object ids and addresses are replaced by placeholders
 so that two dumps of the same engine are byte-identical; `diff_dumps` compares two of them.
+
+`GraphDump` is handed its decoder and the pool's state tensors by its caller (the `dump-graphs`
+command builds the engine: `inkling_compiled/dump_graphs.py`).
 """
 
 from __future__ import annotations
@@ -47,11 +50,9 @@ class _PostGradRecorder:
         return None  # no caching: the pass must see every compile
 
 
-def pool_sizes(engine) -> set[int]:
+def pool_sizes(state_tensors: list[torch.Tensor]) -> set[int]:
     """Element counts of every pool/cache tensor and of each per-layer slice of one."""
-    pool = engine.pool
-    tensors = list(pool.conv.values()) + pool.global_kv + pool.sliding_kv
-    return {t.numel() for t in tensors} | {t[0].numel() for t in tensors if t.shape[0]}
+    return {t.numel() for t in state_tensors} | {t[0].numel() for t in state_tensors if t.shape[0]}
 
 
 def pool_copies_in_code(code: str, pool_sizes: set[int]) -> list[str]:
@@ -112,92 +113,91 @@ def aten_counts(graph_text: str) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[int, ...] | None = None,
-                backend: str = "inductor", device: str = "cpu", steps: int = 3) -> dict:
-    """Compiles each bucket of a fresh engine with a recording backend and writes the dump."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.utils import counters, get_compilation_metrics
+class GraphDump:
+    """Records what a `CompiledDecoder` compiles, bucket by bucket, and writes the dump.
 
-    from inkling_compiled.backend import GREEDY_PAD
-    from inkling_compiled.engine import Engine
+    Build the decoder with `compile_backend=dump.recorder` and warmup=False, then call `write`.
+    """
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch._dynamo.reset()
-    post_grad = _PostGradRecorder()
-    aot_graphs: list[str] = []
+    def __init__(self, backend: str = "inductor"):
+        from torch._dynamo.backends.common import aot_autograd
 
-    def record_aot(gm, example_inputs):
-        aot_graphs.append(gm.print_readable(print_output=False))
+        self.backend = backend
+        self.aot_graphs: list[str] = []
+        inner = aot_autograd(fw_compiler=self._record_aot) if backend == "aot_eager" else backend
+        self.recorder = GraphRecorder(inner, track_addresses=True)
+
+    def _record_aot(self, gm, example_inputs):
+        self.aot_graphs.append(gm.print_readable(print_output=False))
         return gm.forward
 
-    inner = aot_autograd(fw_compiler=record_aot) if backend == "aot_eager" else backend
-    recorder = GraphRecorder(inner, track_addresses=True)
-    buckets = tuple(sorted(buckets)) if buckets else None
-    # The Python kernel-launch wrapper, not the C++ one: same graph, same buffers, readable code.
-    engine = Engine.from_pretrained(model_dir, device=device, compile=True, compile_backend=recorder, warmup=False,
-                                    progress=False, buckets=buckets, max_batch_size=max(buckets) if buckets else 32,
-                                    cpp_wrapper=False)
-    decoder = engine.decoder
-    sizes = pool_sizes(engine)
-    guard_log = io.StringIO()
-    handler = logging.StreamHandler(guard_log)
-    logger = logging.getLogger(_GUARD_LOGGER)
-    logger.addHandler(handler)
-    torch._logging.set_logs(guards=True)
-    summary = {"model": str(model_dir), "backend": backend, "device": device, "buckets": {}}
-    try:
-        for bucket in decoder.buckets:
-            first_graph, first_metric = len(recorder.graphs), len(get_compilation_metrics())
-            counters.clear()
-            guard_log.seek(0)
-            guard_log.truncate()
-            codes: list[str] = []
-            with torch._inductor.config.patch(post_grad_custom_post_pass=post_grad, fx_graph_cache=False):
-                if backend == "inductor":
-                    from torch._inductor.utils import run_and_get_code
+    def write(self, decoder, out_dir: str | Path, *, state_tensors: list[torch.Tensor], model: str,
+              device: str = "cpu", steps: int = 3) -> dict:
+        """Compiles each of the decoder's buckets, replays it `steps` times, writes the files; the summary."""
+        from torch._dynamo.utils import counters, get_compilation_metrics
 
-                    _, codes = run_and_get_code(decoder.warm_bucket, bucket)
-                else:
-                    decoder.warm_bucket(bucket)
-            graphs = recorder.graphs[first_graph:]
-            gm = graphs[0]
-            compiles_after_warmup = len(get_compilation_metrics())
-            for _ in range(steps):  # replays refill the buffers in place: nothing may recompile or move
-                engine.backend.prepare_decode([], [], [], [GREEDY_PAD] * bucket, pad_to=bucket)
-                decoder.run()
-            recompiles = len(get_compilation_metrics()) - compiles_after_warmup
-            c = census(gm)
-            post_text = post_grad.graphs[-1] if backend == "inductor" and post_grad.graphs else (
-                aot_graphs[-1] if backend == "aot_eager" and aot_graphs else "")
-            copies = []
-            for code in codes:
-                copies += pool_copies_in_code(code, sizes)
-            if backend == "aot_eager":
-                copies += pool_copies_in_graph(post_text, sizes)
-            inputs = static_inputs(gm, recorder.addresses[first_graph])
-            c["ops"] = {**c["ops"], **aten_counts(post_text)}
-            record = {
-                "graphs": len(graphs), "graph_breaks": sum(counters["graph_break"].values()),
-                "recompiles": recompiles, "compile_s": round(decoder.compile_seconds[bucket], 3),
-                "sconv_calls": c["sconv_calls"], "pool_copies": len(copies), "ops": c["ops"],
-                "dynamo_frames": len(get_compilation_metrics()) - first_metric,
-                "static_inputs": len(inputs), "unstable_inputs": sum(r["stable"] == "no" for r in inputs),
-            }
-            if device == "cuda":
-                record["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
-                record["partitions"] = sum(len(re.findall(r"def partition_\d+", code)) for code in codes)
-            summary["buckets"][str(bucket)] = record
-            _write_bucket(out / f"bucket-{bucket}", gm, post_text, codes, guard_log.getvalue(), c, copies, inputs,
-                          backend)
-    finally:
-        logger.removeHandler(handler)
-        torch._logging.set_logs()
-        torch._dynamo.reset()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    (out / "summary.md").write_text(summary_markdown(summary))
-    (out / "capture.md").write_text(capture_table(summary))
-    return summary
+        backend, recorder = self.backend, self.recorder
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        post_grad = _PostGradRecorder()
+        sizes = pool_sizes(state_tensors)
+        guard_log = io.StringIO()
+        handler = logging.StreamHandler(guard_log)
+        logger = logging.getLogger(_GUARD_LOGGER)
+        logger.addHandler(handler)
+        torch._logging.set_logs(guards=True)
+        summary = {"model": model, "backend": backend, "device": device, "buckets": {}}
+        try:
+            for bucket in decoder.buckets:
+                first_graph, first_metric = len(recorder.graphs), len(get_compilation_metrics())
+                counters.clear()
+                guard_log.seek(0)
+                guard_log.truncate()
+                codes: list[str] = []
+                with torch._inductor.config.patch(post_grad_custom_post_pass=post_grad, fx_graph_cache=False):
+                    if backend == "inductor":
+                        from torch._inductor.utils import run_and_get_code
+
+                        _, codes = run_and_get_code(decoder.warm_bucket, bucket)
+                    else:
+                        decoder.warm_bucket(bucket)
+                graphs = recorder.graphs[first_graph:]
+                gm = graphs[0]
+                compiles_after_warmup = len(get_compilation_metrics())
+                for _ in range(steps):  # replays refill the buffers in place: nothing may recompile or move
+                    decoder.prepare_padding(bucket)
+                    decoder.run()
+                recompiles = len(get_compilation_metrics()) - compiles_after_warmup
+                c = census(gm)
+                post_text = post_grad.graphs[-1] if backend == "inductor" and post_grad.graphs else (
+                    self.aot_graphs[-1] if backend == "aot_eager" and self.aot_graphs else "")
+                copies = []
+                for code in codes:
+                    copies += pool_copies_in_code(code, sizes)
+                if backend == "aot_eager":
+                    copies += pool_copies_in_graph(post_text, sizes)
+                inputs = static_inputs(gm, recorder.addresses[first_graph])
+                c["ops"] = {**c["ops"], **aten_counts(post_text)}
+                record = {
+                    "graphs": len(graphs), "graph_breaks": sum(counters["graph_break"].values()),
+                    "recompiles": recompiles, "compile_s": round(decoder.compile_seconds[bucket], 3),
+                    "sconv_calls": c["sconv_calls"], "pool_copies": len(copies), "ops": c["ops"],
+                    "dynamo_frames": len(get_compilation_metrics()) - first_metric,
+                    "static_inputs": len(inputs), "unstable_inputs": sum(r["stable"] == "no" for r in inputs),
+                }
+                if device == "cuda":
+                    record["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+                    record["partitions"] = sum(len(re.findall(r"def partition_\d+", code)) for code in codes)
+                summary["buckets"][str(bucket)] = record
+                _write_bucket(out / f"bucket-{bucket}", gm, post_text, codes, guard_log.getvalue(), c, copies,
+                              inputs, backend)
+        finally:
+            logger.removeHandler(handler)
+            torch._logging.set_logs()
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        (out / "summary.md").write_text(summary_markdown(summary))
+        (out / "capture.md").write_text(capture_table(summary))
+        return summary
 
 
 def _write_bucket(folder: Path, gm, post_text: str, codes: list[str], guards: str, c: dict, copies: list[str],

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from .config import InklingConfig, LayerGeometry
+from .kv_layout import ring_location
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, *, q_pos: torch.Tensor,
            k_pos: torch.Tensor, key_mask: torch.Tensor, tau: torch.Tensor | None, window: int, rel_extent: int
@@ -42,3 +45,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.einsum("gths,gshd->gthd", probs, v)
+
+
+def attend_from_scratch(config: InklingConfig, g: LayerGeometry, q, k, v, table, positions, seq_start):
+    """Packed sequences attending over their own new tokens only (nothing cached before them).
+
+    q [T, nh, hd], k/v [T, nkv, hd], table [T, nh, E]; positions and seq_start [T] (the packed index
+    of each token's first token, which tells the sequences apart)."""
+    same_seq = (seq_start[:, None] == seq_start[None, :])[None]
+    tau = config.log_scale(positions)[None] if g.log_scaling else None
+    out = attend(q[None], k[None], v[None], table[None], q_pos=positions[None], k_pos=positions[None],
+                 key_mask=same_seq, tau=tau, window=g.window or 0, rel_extent=g.rel_extent)
+    return out[0]
+
+
+def attend_ring(q, k_ring, v_ring, table, positions, cache_indices, window: int, rel_extent: int):
+    """Decode on a sliding layer: each row's slot keeps its last `window` keys in a ring (the current
+    one included, already written). q [B, nh, hd], rings [slots*window, nkv, hd], table [B, nh, E]."""
+    j = torch.arange(window, device=q.device)
+    pos = positions[:, None]
+    loc = ring_location(cache_indices.long()[:, None], j, window)  # [B, W]: ring entry j of each row
+    k_pos = pos - torch.remainder(pos - j, window)  # newest position stored in ring entry j
+    out = attend(q[:, None], k_ring[loc], v_ring[loc], table[:, None], q_pos=pos, k_pos=k_pos,
+                 key_mask=(k_pos >= 0)[:, None, :], tau=None, window=window, rel_extent=rel_extent)
+    return out[:, 0]

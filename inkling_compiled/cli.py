@@ -119,7 +119,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _dump_graphs(args: argparse.Namespace) -> int:
     import torch
 
-    from .graphs.dump import diff_dumps, dump_graphs
+    from .dump_graphs import dump_graphs
+    from .graphs.dump import diff_dumps
 
     if args.diff:
         changes = diff_dumps(*args.diff)

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .backend import RowSampling, StepBackend
+from .backend import StepBackend
 from .cache import StatePool
 from .config import InklingConfig
 from .errors import CompileError, RequestError
@@ -25,7 +25,9 @@ from .loading import load_model
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
 from .graphs import CompiledDecoder, choose_buckets
-from .runner import CompiledRunner, EagerRunner, StepOutput
+from .kv_layout import pages_for
+from .metadata import RowSampling
+from .runner import CompiledRunner, DecodeStep, EagerRunner, StepOutput
 from .sampling import SamplingParams, fold_seed
 from .tokenizer import TextTokenizer
 
@@ -83,7 +85,7 @@ class Engine:
             raise ValueError("max_batch_size >= 1, max_model_len >= 2 and page_size >= 1 are required")
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.max_prefill_tokens = max_prefill_tokens or max_model_len
-        pages_per_seq = -(-max_model_len // page_size)
+        pages_per_seq = pages_for(max_model_len, page_size)
         if num_pages is None:
             num_pages = max_batch_size * pages_per_seq + 1  # every slot can hold a full-length request
         dtype = model.lm_head.weight.dtype
@@ -94,7 +96,8 @@ class Engine:
                                    max_tokens=self.max_prefill_tokens, device=self.device)
         self.decoder = None
         if compile:
-            self.decoder = CompiledDecoder(model, self.backend, buckets=choose_buckets(max_batch_size, buckets),
+            self.decoder = CompiledDecoder(DecodeStep(model, self.backend), self.backend.prepare_padding,
+                                           device=self.device, buckets=choose_buckets(max_batch_size, buckets),
                                            compile_backend=compile_backend, mode=compile_mode,
                                            cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper)
             self.runner = CompiledRunner(model, self.backend, self.decoder)

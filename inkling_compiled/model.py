@@ -8,8 +8,8 @@ history, its keys and values) is asked of a *forward context* passed down the la
     ctx.short_conv(x32, weight, layer_id, stream) -> conv(x32) without residual, fp32
     ctx.attention(layer_id, geometry, q, k, v, r, rel_proj) -> [T, nh, hd]
 
-`FullSequenceContext` (below) runs sequences from scratch; the serving engine's step backend gives
-the same two calls over its state pool. Parameter names equal transformers' module names, so a
+`contexts.FullSequenceContext` runs sequences from scratch; `contexts.PoolContext` answers the same
+calls from the serving engine's state pool. Parameter names equal transformers' module names, so a
 transformers state dict loads as is (see `checkpoint.py`).
 """
 
@@ -20,18 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from inkling_compiled import custom_ops  # noqa: F401  (registers torch.ops.inkling)
-from inkling_compiled.custom_ops.reference import packed_causal_conv
 
-from .attention import attend
-from .config import InklingConfig, LayerGeometry
+from .config import InklingConfig
+from .contexts import FullSequenceContext
 from .nvtx import nvtx_range
+from .streams import ATTN_STREAM, K_STREAM, MLP_STREAM, V_STREAM
 
 # Projections go through the op: a few-row fast path at decode, ATen's GEMM otherwise.
 linear = torch.ops.inkling.linear
-
-# Conv streams of a layer, in transformers' cache order (conv_idx).
-K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM = 0, 1, 2, 3
-STREAM_NAMES = ("k", "v", "attn", "mlp")
 
 # Tensors transformers keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`).
 FP32_SUFFIXES = ("sconv.conv1d.weight", "gate.e_score_correction_bias", "gate.global_scale")
@@ -251,37 +247,3 @@ class InklingForCausalLM(nn.Module):
         logits = self(torch.cat(seqs), ctx)
         return list(logits.split([len(s) for s in seqs]))
 
-
-class FullSequenceContext:
-    """Forward context for sequences that start from an empty state (no cache, packed varlen)."""
-
-    def __init__(self, positions: torch.Tensor, seq_start: torch.Tensor, config: InklingConfig):
-        self.positions = positions  # [T] position of each token in its sequence
-        self.seq_start = seq_start  # [T] packed index of the first token of each token's sequence
-        self.config = config
-
-    @classmethod
-    def for_lengths(cls, lengths: list[int], config: InklingConfig, device) -> "FullSequenceContext":
-        lens = torch.tensor(lengths, dtype=torch.long, device=device)
-        starts = torch.cumsum(lens, 0) - lens
-        seq_start = starts.repeat_interleave(lens)
-        positions = torch.arange(int(lens.sum()), device=device) - seq_start
-        return cls(positions, seq_start, config)
-
-    def enter_layer(self, layer_id: int) -> None:
-        """No state, nothing to wait for."""
-
-    def short_conv(self, x32: torch.Tensor, weight: torch.Tensor, layer_id: int, stream: int) -> torch.Tensor:
-        return packed_causal_conv(x32, weight, self.seq_start)
-
-    def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
-        return attend_from_scratch(self.config, g, q, k, v, r @ rel_proj, self.positions, self.seq_start)
-
-
-def attend_from_scratch(config: InklingConfig, g: LayerGeometry, q, k, v, table, positions, seq_start):
-    """Packed sequences attending over their own new tokens only (nothing cached before them)."""
-    same_seq = (seq_start[:, None] == seq_start[None, :])[None]
-    tau = config.log_scale(positions)[None] if g.log_scaling else None
-    out = attend(q[None], k[None], v[None], table[None], q_pos=positions[None], k_pos=positions[None],
-                 key_mask=same_seq, tau=tau, window=g.window or 0, rel_extent=g.rel_extent)
-    return out[0]

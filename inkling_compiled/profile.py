@@ -44,13 +44,13 @@ def run_workload(engine, batch: int, steps: int, prompt_len: int = 32) -> None:
 
 def census_labels(engine, bucket: int) -> list[tuple[str, int | None, str | None]]:
     """(op, layer, stream) of each custom-op call of the bucket's decode graph, in graph order."""
-    from .graphs import GraphRecorder, census
-
-    from .graphs.capture import CompiledDecoder
+    from .graphs import CompiledDecoder, GraphRecorder, census
+    from .runner import DecodeStep
 
     # A second, eager-backend trace of the same step: cheap, and it leaves the engine's graphs alone.
     recorder = GraphRecorder("eager")
-    probe = CompiledDecoder(engine.model, engine.backend, buckets=(bucket,), compile_backend=recorder)
+    probe = CompiledDecoder(DecodeStep(engine.model, engine.backend), engine.backend.prepare_padding,
+                            device=engine.device, buckets=(bucket,), compile_backend=recorder)
     probe.warm_bucket(bucket)
     return [(c["op"], c["layer"], c["stream"]) for c in census(recorder.graphs[0])["custom_calls"]]
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import msgspec
 import torch
+from torch import nn
 
-from .backend import StepBackend, StepMetadata
+from .backend import StepBackend
+from .metadata import StepMetadata
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
 from .sampling import MAX_TOP_LOGPROBS, sample
@@ -21,13 +23,26 @@ class StepOutput(msgspec.Struct):
 def forward_step(model: InklingForCausalLM, backend: StepBackend) -> tuple[torch.Tensor, ...]:
     """The whole step as one function of the static buffers (what the compiled path captures)."""
     md: StepMetadata = backend.metadata
-    hidden = model.hidden_states(md.input_ids, backend)
+    hidden = model.hidden_states(md.input_ids, backend.context)
     if not md.is_decode:
         hidden = hidden[md.last_token_index]
     logits = model.logits(hidden)
     tokens, logprobs = sample(logits, md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
     top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top.indices, top.values
+
+
+class DecodeStep(nn.Module):
+    """The step as a module for the compiler: parameters, pools and metadata are all reached through
+    `self`, which makes them static inputs (fixed addresses) for Dynamo and for CUDA graphs."""
+
+    def __init__(self, model: InklingForCausalLM, backend: StepBackend):
+        super().__init__()
+        self.model = model
+        self.backend = backend
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        return forward_step(self.model, self.backend)
 
 
 class EagerRunner:

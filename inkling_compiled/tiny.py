@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes, transformers_to_original
 from .config import InklingConfig
+from .paths import default_cache_dir
 from .tokenizer import write_byte_tokenizer
 
 _COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6, hidden_act="silu")
@@ -124,12 +125,6 @@ def build_tiny_checkpoint(out_dir: str | Path, name: str = "tiny", *, seed: int 
     raw = {**TINY_CONFIGS[name], **(overrides or {})}
     config = InklingConfig.from_dict({"model_type": "inkling_text", **raw})
     return write_checkpoint(out_dir, raw, random_weights(config, seed), layout=layout, shards=shards)
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("INKLING_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inkling-compiled")
-    return Path(base)
 
 
 def embedded_checkpoint(name: str = "tiny") -> Path:

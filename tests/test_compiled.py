@@ -7,16 +7,15 @@ import time
 import pytest
 import torch
 
-from inkling_compiled.backend import GREEDY_PAD
 from inkling_compiled.engine import Engine
 from inkling_compiled.errors import CompileError
 from inkling_compiled.graphs import DEFAULT_BUCKETS, GraphRecorder, census
 from inkling_compiled.graphs.dump import pool_copies_in_code, pool_sizes
 from inkling_compiled.sampling import SamplingParams
+from inkling_compiled.streams import STREAM_NAMES
 
 from conftest import PARITY_CONFIGS, PARITY_LENGTHS, random_prompt
 
-STREAMS = ("k", "v", "attn", "mlp")
 GREEDY = SamplingParams(max_new_tokens=10, logprobs=True, ignore_eos=True)
 
 
@@ -47,12 +46,12 @@ def test_one_graph_per_bucket_no_breaks_and_a_full_sconv_census(name, inner, che
         c = census(gm)
         assert c["sconv_calls"] == 4 * layers
         sconv = [(x["layer"], x["stream"]) for x in c["custom_calls"] if x["op"] == "inkling::sconv_decode"]
-        assert sorted(sconv) == sorted((layer, s) for layer in range(layers) for s in STREAMS)
+        assert sorted(sconv) == sorted((layer, s) for layer in range(layers) for s in STREAM_NAMES)
         assert c["ops"]["inkling::kv_write"] == layers
         assert c["ops"].get("inkling::sconv_extend", 0) == 0
         assert c["ops"].get("inkling::wait_layer", 0) == 0  # no HiCache barrier unless asked for
     # after warm-up, a shape outside the buckets must not silently compile a new graph
-    engine.backend.prepare_decode([], [], [], [GREEDY_PAD] * 3, pad_to=3)
+    engine.backend.prepare_padding(3)
     with pytest.raises(CompileError, match=r"(?s)would recompile after warm-up.*size mismatch"):
         engine.decoder.run()
 
@@ -76,7 +75,7 @@ def test_inductor_code_has_no_pool_sized_copies(checkpoint):
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), warmup=False, cpp_wrapper=False)
     _, codes = run_and_get_code(engine.decoder.warmup)
     assert len(codes) == 2
-    big = pool_sizes(engine)
+    big = pool_sizes(engine.pool.state_tensors())
     assert pool_copies_in_code("buf = empty_strided_cpu((40, 1, 8), (8, 8, 1))", big)  # the scan can fire
     for code in codes:
         body = code[code.index("def call("):]
@@ -123,17 +122,17 @@ def test_addresses_are_stable_across_steps(checkpoint):
         tensors = {f"conv.{k}": v for k, v in pool.conv.items()}
         tensors.update({f"kv.global.{i}": t for i, t in enumerate(pool.global_kv)})
         tensors.update({f"kv.sliding.{i}": t for i, t in enumerate(pool.sliding_kv)})
-        tensors.update({f"meta.{k}": v for k, v in backend.buffers.items()})
+        tensors.update({f"meta.{k}": v for k, v in backend.buffers.tensors.items()})
         tensors["block_table"] = pool.block_table
         return {k: v.data_ptr() for k, v in tensors.items()}
 
     before = addresses()
     engine.generate([random_prompt(n, seed=n) for n in (3, 9, 15)], SamplingParams(max_new_tokens=5))
-    views = {name: id(getattr(backend.metadata, name)) for name in backend.buffers}
+    views = {name: id(getattr(backend.metadata, name)) for name in backend.buffers.tensors}
     engine.generate([random_prompt(n, seed=n) for n in (4, 10, 12)], SamplingParams(max_new_tokens=5))
     assert addresses() == before
     # the same bucket hands the compiled step the very same view objects every step
-    assert {name: id(getattr(backend.metadata, name)) for name in backend.buffers} == views
+    assert {name: id(getattr(backend.metadata, name)) for name in backend.buffers.tensors} == views
 
 
 # ---- the HiCache barrier --------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 from inkling_compiled import nvtx as nvtx_ranges
 from inkling_compiled.cli import main
 from inkling_compiled.engine import Engine
-from inkling_compiled.graphs.dump import diff_dumps, dump_graphs
+from inkling_compiled.dump_graphs import dump_graphs
+from inkling_compiled.graphs.dump import diff_dumps
 from inkling_compiled.sampling import SamplingParams
 
 from conftest import random_prompt

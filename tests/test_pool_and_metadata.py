@@ -7,20 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from inkling_compiled.backend import GREEDY_PAD
 from inkling_compiled.cache import StatePool
 from inkling_compiled.config import InklingConfig
 from inkling_compiled.engine import Engine
-from inkling_compiled.model import ATTN_STREAM, K_STREAM, MLP_STREAM, V_STREAM
+from inkling_compiled.metadata import GREEDY_PAD
 from inkling_compiled.sampling import SamplingParams
+from inkling_compiled.streams import ATTN_STREAM, K_STREAM, MLP_STREAM, MODEL_STREAMS, V_STREAM
 from inkling_compiled.tiny import TINY_CONFIGS
 
 from conftest import random_prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import scan_pool_access  # noqa: E402
-
-STREAMS = (K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM)
 
 
 def tiny_pool(name="tiny", **kw):
@@ -33,7 +31,7 @@ def tiny_pool(name="tiny", **kw):
 
 def test_backend_slices_are_the_pool_tensors_themselves(checkpoint):
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4)
-    config, pool, backend = engine.config, engine.pool, engine.backend
+    config, pool, context = engine.config, engine.pool, engine.backend.context
     sliding = [i for i, t in enumerate(config.layer_types) if t == "hybrid_sliding"]
     glob = [i for i, t in enumerate(config.layer_types) if t == "hybrid"]
     pairs = 0
@@ -41,10 +39,10 @@ def test_backend_slices_are_the_pool_tensors_themselves(checkpoint):
         kind, same_kind = ("sliding", sliding) if layer in sliding else ("global", glob)
         expect = {K_STREAM: ("k_" + kind, same_kind.index(layer)), V_STREAM: ("v_" + kind, same_kind.index(layer)),
                   ATTN_STREAM: ("attn", layer), MLP_STREAM: ("mlp", layer)}
-        for stream in STREAMS:
+        for stream in MODEL_STREAMS:
             name, index = expect[stream]
-            for got, base in ((backend.sconv_state(layer, stream), pool.conv[name]),
-                              (backend.sconv_intermediate_window(layer, stream), pool.intermediate_conv_window[name])):
+            for got, base in ((context.sconv_state(layer, stream), pool.conv[name]),
+                              (context.sconv_intermediate_window(layer, stream), pool.intermediate_conv_window[name])):
                 direct = base[index]
                 assert (got.data_ptr(), got.shape, got.stride()) == (direct.data_ptr(), direct.shape, direct.stride())
                 pairs += 1
@@ -111,31 +109,31 @@ def test_thousand_random_events_leak_nothing(checkpoint):
 
 
 class RecordingContext:
-    """Forwards to the backend, noting which metadata object each conv call reads."""
+    """Forwards to the pool context, noting which metadata object each conv call reads."""
 
-    def __init__(self, backend):
-        self.backend, self.seen = backend, []
+    def __init__(self, context):
+        self.context, self.seen = context, []
 
     def short_conv(self, *args):
-        self.seen.append(self.backend.conv_state_metadata())
-        return self.backend.short_conv(*args)
+        self.seen.append(self.context.conv_state_metadata())
+        return self.context.short_conv(*args)
 
     def enter_layer(self, layer_id):
-        self.backend.enter_layer(layer_id)
+        self.context.enter_layer(layer_id)
 
     def attention(self, *args):
-        return self.backend.attention(*args)
+        return self.context.attention(*args)
 
 
 def test_every_conv_of_a_step_reads_the_one_metadata_object(checkpoint):
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4)
     backend, model = engine.backend, engine.model
     engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=1))  # warm the pool with real requests
-    buffers = {name: t.data_ptr() for name, t in backend.buffers.items()}
+    buffers = {name: t.data_ptr() for name, t in backend.buffers.tensors.items()}
     objects = set()
     for step, lens in enumerate(([3, 7], [4, 8], [5, 9])):
         md = backend.prepare_decode([11, 12], [1, 2], lens, [GREEDY_PAD] * 2)
-        ctx = RecordingContext(backend)
+        ctx = RecordingContext(backend.context)
         with torch.inference_mode():
             model.hidden_states(md.input_ids, ctx)
         assert len(ctx.seen) == 4 * engine.config.num_hidden_layers

@@ -16,7 +16,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from inkling_compiled.backend import RowSampling, StepMetadata
+from inkling_compiled.metadata import RowSampling, StepMetadata
 from inkling_compiled.engine import Engine
 from inkling_compiled.tiny import build_tiny_checkpoint
 
@@ -78,12 +78,13 @@ def main(argv=None) -> int:
     ids = [5] * args.batch
     rows = [RowSampling(0.0, 0, 1.0, 0, 0)] * args.batch
     backend, layers = engine.backend, engine.config.num_hidden_layers
+    context = backend.context
     reads = 4 * layers
 
     def singleton():
         backend.prepare_decode(ids, slots, positions, rows)
         for _ in range(reads):
-            backend.conv_state_metadata()
+            context.conv_state_metadata()
 
     def naive():
         backend.prepare_decode(ids, slots, positions, rows)

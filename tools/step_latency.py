@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from inkling_compiled.backend import GREEDY_PAD
 from inkling_compiled.engine import Engine
 from inkling_compiled.sampling import SamplingParams
 from inkling_compiled.tiny import build_tiny_checkpoint
@@ -35,7 +34,7 @@ def main() -> None:
             print(f"{name}: mode={d.mode} warm-up " + ", ".join(f"bs{b} {s:.1f}s" for b, s in d.compile_seconds.items()))
             for b in d.buckets:
                 def step():
-                    engine.backend.prepare_decode([], [], [], [GREEDY_PAD] * b, pad_to=b)
+                    engine.backend.prepare_padding(b)
                     return d.run()
 
                 for _ in range(3):

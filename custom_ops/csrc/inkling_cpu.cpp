@@ -13,16 +13,42 @@
 
 namespace {
 
+// Stream names, in the order of inkling_compiled/streams.py (STREAM_NAMES), which is the one place
+// they are defined: library.native_kernels() passes them in as -DINKLING_STREAM_NAMES=k,v,...
+#ifndef INKLING_STREAM_NAMES
+#error "build through inkling_compiled.custom_ops.library.native_kernels(), which defines INKLING_STREAM_NAMES"
+#endif
+#define INKLING_STRINGIFY(...) #__VA_ARGS__
+#define INKLING_EXPAND_STRINGIFY(...) INKLING_STRINGIFY(__VA_ARGS__)
+
+const std::vector<std::string>& stream_names() {
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> out;
+    const std::string all = INKLING_EXPAND_STRINGIFY(INKLING_STREAM_NAMES);
+    size_t start = 0;
+    while (start <= all.size()) {
+      size_t end = all.find(',', start);
+      if (end == std::string::npos) end = all.size();
+      std::string name = all.substr(start, end - start);
+      name.erase(0, name.find_first_not_of(' '));
+      out.push_back(name);
+      start = end + 1;
+    }
+    return out;
+  }();
+  return names;
+}
+
 // A `sconv S @ layer L` range for torch.profiler, also when the call comes from a compiled graph's
 // replay (no Python runs per layer there). Costs one flag check when nothing is recording.
 struct ConvRange {
   std::string label;
   at::RecordFunction guard{at::RecordScope::USER_SCOPE};
   ConvRange(int64_t layer_id, int64_t stream) {
-    static const char* kStreams[] = {"k", "v", "attn", "mlp"};
     if (layer_id < 0 || !guard.isActive()) return;
-    label = std::string("sconv ") + (stream >= 0 && stream < 4 ? kStreams[stream] : "?") + " @ layer " +
-            std::to_string(layer_id);
+    const auto& names = stream_names();
+    const bool known = stream >= 0 && stream < static_cast<int64_t>(names.size());
+    label = "sconv " + (known ? names[stream] : std::string("?")) + " @ layer " + std::to_string(layer_id);
     guard.before(std::string_view(label));
   }
 };
@@ -217,7 +243,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 }
 
 // y[n, O] = x[n, H] @ W^T for a handful of rows, W given as [O, H] with either layout: reads W once.
-// MKL's small-M GEMMs stream weights at about half the memory bandwidth on our CPUs; this does not.
+// MKL's small-M GEMMs stream the weight well below memory bandwidth; this loop comes much closer
+// (the README's benchmarks measure it).
 // (AVX2 clone chosen at load time where the CPU has it.)
 __attribute__((target_clones("avx2", "default")))
 void few_rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,

@@ -7,7 +7,8 @@ per-slot block table; sliding layers keep a ring of their last W keys per slot
 (`[L_s, (S+1)*W, nkv, hd]`). Slot 0 and page 0 are never handed to a request.
 
 The pool only stores: it hands out slots and pages, clears a slot's conv state on allocation and
-answers `layer_index`; everything per step lives in the step backend.
+answers `layer_index`; everything per step lives in the step backend. Which layers each conv stream
+holds is `streams.StreamTable`'s to say.
 """
 
 from __future__ import annotations
@@ -16,21 +17,11 @@ import torch
 
 from ..config import InklingConfig
 from ..custom_ops import barrier
-from ..model import ATTN_STREAM, K_STREAM, MLP_STREAM, V_STREAM
+from ..kv_layout import pages_for
+from ..streams import MODEL_STREAMS, StreamTable
 from .allocator import IndexAllocator
 
-CONV_STREAMS = ("k_sliding", "v_sliding", "k_global", "v_global", "attn", "mlp")
-
-
 LayerTransferCounter = barrier.LayerTransferCounter
-
-
-def _conv_stream_name(sliding: bool, stream: int) -> str:
-    if stream == K_STREAM:
-        return "k_sliding" if sliding else "k_global"
-    if stream == V_STREAM:
-        return "v_sliding" if sliding else "v_global"
-    return {ATTN_STREAM: "attn", MLP_STREAM: "mlp"}[stream]
 
 
 class StatePool:
@@ -40,36 +31,16 @@ class StatePool:
         self.config = config
         self.max_slots, self.page_size, self.num_pages = max_slots, page_size, num_pages
         self.max_pages_per_seq = max_pages_per_seq
-        K, H, S = config.conv_kernel_size, config.hidden_size, max_slots
-        n = config.num_hidden_layers
-        sliding = [config.geometry(i).sliding for i in range(n)]
-        self.sliding_layers = [i for i in range(n) if sliding[i]]
-        self.global_layers = [i for i in range(n) if not sliding[i]]
-
-        widths = {
-            "k_sliding": config.swa_num_key_value_heads * config.swa_head_dim,
-            "v_sliding": config.swa_num_key_value_heads * config.swa_head_dim,
-            "k_global": config.num_key_value_heads * config.head_dim,
-            "v_global": config.num_key_value_heads * config.head_dim,
-            "attn": H, "mlp": H,
-        }
-        layers_of = {
-            "k_sliding": self.sliding_layers, "v_sliding": self.sliding_layers,
-            "k_global": self.global_layers, "v_global": self.global_layers,
-            "attn": list(range(n)), "mlp": list(range(n)),
-        }
-        self.conv = {s: torch.zeros(len(layers_of[s]), S + 1, K - 1, widths[s], dtype=torch.float32, device=device)
-                     for s in CONV_STREAMS if layers_of[s]}
+        K, S = config.conv_kernel_size, max_slots
+        self.streams = streams = StreamTable(config)
+        self.sliding_layers, self.global_layers = streams.sliding_layers, streams.global_layers
+        self.conv = {name: torch.zeros(len(layers), S + 1, K - 1, streams.widths[name], dtype=torch.float32,
+                                       device=device)
+                     for name, layers in streams.layers.items()}
         # Speculative verification keeps the window after each draft token per batch row, not per slot.
         self.intermediate_conv_window = {
             s: torch.zeros(t.shape[0], S + 1, spec_draft_tokens, K - 1, t.shape[-1], dtype=torch.float32, device=device)
             for s, t in self.conv.items()}
-        # (layer_id, model stream) -> (pool stream, layer index inside that stream)
-        self._conv_map = {}
-        for i in range(n):
-            for stream in (K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM):
-                name = _conv_stream_name(sliding[i], stream)
-                self._conv_map[(i, stream)] = (name, layers_of[name].index(i))
 
         W = config.sliding_window_size
         g_kv = (config.num_key_value_heads, config.head_dim)
@@ -93,7 +64,7 @@ class StatePool:
     # ---- ownership ------------------------------------------------------------------------------
 
     def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size) if self.global_layers else 0
+        return pages_for(num_tokens, self.page_size) if self.global_layers else 0
 
     def can_admit(self, num_tokens: int) -> bool:
         return self.slots.num_free > 0 and self.pages.num_free >= self.pages_needed(num_tokens)
@@ -142,20 +113,21 @@ class StatePool:
     def layer_index(self, layer_id: int, stream: int) -> tuple[str, int]:
         """Waits for the layer's transfer (if a counter is attached); (pool stream, index in it)."""
         self._wait_for(layer_id)
-        return self._conv_map[(layer_id, stream)]
+        return self.streams.locate(layer_id, stream)
 
     def layer_state(self, layer_id: int) -> list[torch.Tensor]:
         """Every state slice of one layer (4 conv streams, then k and v caches), without waiting:
         what a HiCache transfer writes and what the layer's barrier declares it guards."""
-        convs = [self.conv[name][i] for name, i in (self._conv_map[(layer_id, s)] for s in
-                                                       (K_STREAM, V_STREAM, ATTN_STREAM, MLP_STREAM))]
-        kv, index = (self.global_kv, self.global_layers) if layer_id in self.global_layers else (
-            self.sliding_kv, self.sliding_layers)
-        return convs + [t[index.index(layer_id)] for t in kv]
+        convs = [self.conv[name][i] for name, i in (self.streams.locate(layer_id, s) for s in MODEL_STREAMS)]
+        sliding, index = self.streams.kv_locate(layer_id)
+        return convs + [t[index] for t in (self.sliding_kv if sliding else self.global_kv)]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors decode steps write: every conv stream and K/V cache (what a copy must never touch)."""
+        return [*self.conv.values(), *self.global_kv, *self.sliding_kv]
 
     def kv_index(self, layer_id: int) -> tuple[list[torch.Tensor], int]:
         """Waits like `layer_index`; (the [k, v] tensors of the layer's kind, the layer's index in them)."""
         self._wait_for(layer_id)
-        if layer_id in self.global_layers:
-            return self.global_kv, self.global_layers.index(layer_id)
-        return self.sliding_kv, self.sliding_layers.index(layer_id)
+        sliding, index = self.streams.kv_locate(layer_id)
+        return (self.sliding_kv if sliding else self.global_kv), index
