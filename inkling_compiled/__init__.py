@@ -10,11 +10,12 @@ if not (_Path(__file__).parent / "custom_ops").is_dir():
         __path__.append(str(_root))  # noqa: F821 - package __path__
 
 from .config import InklingConfig  # noqa: E402
-from .engine import Engine, RequestOutput  # noqa: E402
-from .errors import CheckpointError, CompileError, ConfigError, InklingError, RequestError  # noqa: E402
+from .engine import Engine  # noqa: E402
+from .requests import RequestOutput  # noqa: E402
+from .errors import CheckpointError, CompileError, ConfigError, InklingError, OptionError, RequestError  # noqa: E402
 from .loading import load_model  # noqa: E402
 from .sampling import SamplingParams  # noqa: E402
 
 __all__ = ["Engine", "SamplingParams", "RequestOutput", "InklingConfig", "load_model", "InklingError", "ConfigError",
-           "CheckpointError", "RequestError", "CompileError"]
+           "CheckpointError", "RequestError", "CompileError", "OptionError"]
 __version__ = "0.1.0"

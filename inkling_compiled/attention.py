@@ -38,6 +38,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
         q = (q.float() * tau).to(q.dtype)
         bias = (bias.float() * tau).to(bias.dtype)
 
+    # A hidden key must not enter the arithmetic: its probability is exactly 0, but 0 * NaN is NaN, so
+    # one non-finite value in another request's (or a freed slot's) cache would poison this output.
+    # Values no query of the group may see are selected away; within a group every query sees the
+    # same keys up to causality (decode: one query; prefill: one sequence per group).
+    v = v.masked_fill(~visible.any(dim=1)[:, :, None, None], 0.0)
     group = nh // nkv
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
@@ -47,16 +52,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
     return torch.einsum("gths,gshd->gthd", probs, v)
 
 
-def attend_from_scratch(config: InklingConfig, g: LayerGeometry, q, k, v, table, positions, seq_start):
+def attend_from_scratch(config: InklingConfig, g: LayerGeometry, q, k, v, table, positions,
+                        spans: list[tuple[int, int]]) -> torch.Tensor:
     """Packed sequences attending over their own new tokens only (nothing cached before them).
 
-    q [T, nh, hd], k/v [T, nkv, hd], table [T, nh, E]; positions and seq_start [T] (the packed index
-    of each token's first token, which tells the sequences apart)."""
-    same_seq = (seq_start[:, None] == seq_start[None, :])[None]
-    tau = config.log_scale(positions)[None] if g.log_scaling else None
-    out = attend(q[None], k[None], v[None], table[None], q_pos=positions[None], k_pos=positions[None],
-                 key_mask=same_seq, tau=tau, window=g.window or 0, rel_extent=g.rel_extent)
-    return out[0]
+    q [T, nh, hd], k/v [T, nkv, hd], table [T, nh, E], positions [T]; `spans` are the (start, end)
+    packed offsets of the sequences. Each sequence is its own group, so no sequence's keys or values
+    enter another's arithmetic (and memory is the sum of the squared lengths, not T squared)."""
+    outs = []
+    for start, end in spans:
+        pos = positions[start:end][None]
+        tau = config.log_scale(pos) if g.log_scaling else None
+        key_mask = torch.ones(1, end - start, end - start, dtype=torch.bool, device=q.device)
+        outs.append(attend(q[None, start:end], k[None, start:end], v[None, start:end], table[None, start:end],
+                           q_pos=pos, k_pos=pos, key_mask=key_mask, tau=tau, window=g.window or 0,
+                           rel_extent=g.rel_extent)[0])
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
 def attend_ring(q, k_ring, v_ring, table, positions, cache_indices, window: int, rel_extent: int):

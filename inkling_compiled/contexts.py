@@ -29,18 +29,14 @@ from .streams import STREAM_NAMES
 class FullSequenceContext:
     """Sequences that start from an empty state (no cache, packed varlen)."""
 
-    def __init__(self, positions: torch.Tensor, seq_start: torch.Tensor, config: InklingConfig):
-        self.positions = positions  # [T] position of each token in its sequence
-        self.seq_start = seq_start  # [T] packed index of the first token of each token's sequence
-        self.config = config
-
-    @classmethod
-    def for_lengths(cls, lengths: list[int], config: InklingConfig, device) -> "FullSequenceContext":
+    def __init__(self, lengths: list[int], config: InklingConfig, device):
         lens = torch.tensor(lengths, dtype=torch.long, device=device)
         starts = torch.cumsum(lens, 0) - lens
-        seq_start = starts.repeat_interleave(lens)
-        positions = torch.arange(int(lens.sum()), device=device) - seq_start
-        return cls(positions, seq_start, config)
+        self.seq_start = starts.repeat_interleave(lens)  # [T] packed index of each token's first token
+        self.positions = torch.arange(int(lens.sum()), device=device) - self.seq_start  # [T]
+        ends = [int(e) for e in torch.cumsum(lens, 0).tolist()]
+        self.spans = list(zip([0] + ends[:-1], ends))
+        self.config = config
 
     def enter_layer(self, layer_id: int) -> None:
         """No state, nothing to wait for."""
@@ -49,7 +45,7 @@ class FullSequenceContext:
         return packed_causal_conv(x32, weight, self.seq_start)
 
     def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
-        return attend_from_scratch(self.config, g, q, k, v, r @ rel_proj, self.positions, self.seq_start)
+        return attend_from_scratch(self.config, g, q, k, v, r @ rel_proj, self.positions, self.spans)
 
 
 class PoolContext:
@@ -100,8 +96,9 @@ class PoolContext:
         k_cache, v_cache = self.kv_cache(layer_id)
         torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
         table = r @ rel_proj
-        if not md.is_decode:
-            return attend_from_scratch(self.config, g, q, k, v, table, md.positions, md.token_seq_start)
+        if not md.is_decode:  # eager prefill: the spans may be read on the host
+            qsl = md.query_start_loc.tolist()
+            return attend_from_scratch(self.config, g, q, k, v, table, md.positions, list(zip(qsl[:-1], qsl[1:])))
         if g.sliding:
             return attend_ring(q, k_cache, v_cache, table, md.positions, md.cache_indices, g.window, g.rel_extent)
         tau = self.config.log_scale(md.positions) if g.log_scaling else None

@@ -1,73 +1,51 @@
 """The serving engine: requests in, tokens out, continuous batching over the state pool.
 
-Each `step()` admits waiting requests that fit (a free slot and the pages for their whole budget),
-prefills them together as one packed varlen forward, and decodes every request that was already
-running as one batched forward. Requests finish (eos, stop token, length) or are aborted at any step;
-their slot and pages go back to the pool at once.
+Each `step()` decodes every running request as one batched forward, then admits waiting requests
+that fit (a free slot and the pages for their whole budget) and prefills them together as one packed
+varlen forward. Requests finish (eos, stop token, length) or are aborted at any step; their slot and
+pages go back to the pool at once.
+
+Failure is contained: if anything raises inside a step's forward, the requests of that forward are
+finished with `finish_reason="error"` (their state may be half-written) and freed, and the engine
+goes on serving. Every public method takes one lock, so threads may add, abort and step concurrently.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import logging
 import random
+import threading
 from collections import deque
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .backend import StepBackend
 from .cache import StatePool
 from .config import InklingConfig
-from .errors import CompileError, RequestError
+from .errors import CompileError, OptionError, RequestError
+from .graphs import CompiledDecoder, choose_buckets
+from .kv_layout import pages_for
 from .loading import load_model
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
-from .graphs import CompiledDecoder, choose_buckets
-from .kv_layout import pages_for
-from .metadata import RowSampling
+from .requests import Request, RequestOutput, prompt_ids, prompt_list
 from .runner import CompiledRunner, DecodeStep, EagerRunner, StepOutput
-from .sampling import SamplingParams, fold_seed
+from .sampling import SamplingParams
 from .tokenizer import TextTokenizer
+from .torch_state import PinnedTorchState
+
+log = logging.getLogger("inkling_compiled")
+
+__all__ = ["Engine", "RequestOutput"]
 
 
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str | None  # "length" | "stop" | "abort" once finished
-    text: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclasses.dataclass
-class Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    seed: int  # 32-bit
-    stop_ids: frozenset[int]
-    budget: int  # prompt + tokens it may generate, capped at max_model_len
-    output: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-
-    @property
-    def cached_len(self) -> int:
-        """Tokens whose state is in the pool: the prompt and every generated token but the newest."""
-        return len(self.prompt) + len(self.output) - 1
-
-    def sampling_row(self) -> RowSampling:
-        p = self.params
-        return RowSampling(float(p.temperature), p.top_k, float(p.top_p), self.seed, len(self.output))
+def _positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise OptionError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 class Engine:
@@ -81,13 +59,16 @@ class Engine:
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.device = torch.device(device)
-        if max_batch_size < 1 or max_model_len < 2 or page_size < 1:
-            raise ValueError("max_batch_size >= 1, max_model_len >= 2 and page_size >= 1 are required")
-        self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
-        self.max_prefill_tokens = max_prefill_tokens or max_model_len
+        self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        self.max_model_len = _positive_int("max_model_len", max_model_len, 2)
+        page_size = _positive_int("page_size", page_size)
+        self.max_prefill_tokens = max_model_len if max_prefill_tokens is None else \
+            _positive_int("max_prefill_tokens", max_prefill_tokens)
         pages_per_seq = pages_for(max_model_len, page_size)
         if num_pages is None:
             num_pages = max_batch_size * pages_per_seq + 1  # every slot can hold a full-length request
+        # one page is the dummy, and at least one request of 2 tokens must fit
+        _positive_int("num_pages", num_pages, 2)
         dtype = model.lm_head.weight.dtype
         self.pool = StatePool(config, max_slots=max_batch_size, num_pages=num_pages, page_size=page_size,
                               max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device,
@@ -101,16 +82,21 @@ class Engine:
                                            compile_backend=compile_backend, mode=compile_mode,
                                            cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper)
             self.runner = CompiledRunner(model, self.backend, self.decoder)
-            if warmup:
-                self.decoder.warmup(progress=progress)
         else:
             self.runner = EagerRunner(model, self.backend)
+        # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
+        self.torch_state = PinnedTorchState()
+        if compile and warmup:
+            with self.torch_state.pinned():
+                self.decoder.warmup(progress=progress)
+        self._lock = threading.RLock()
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._aborted: list[Request] = []
-        self._known: set[str] = set()
+        self._known: set[str] = set()  # ids of requests whose final output has not been returned yet
+        self._undelivered: dict[str, RequestOutput] = {}  # outputs generate() stepped past, for step() to return
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype=None, compile: bool = True,
@@ -124,59 +110,64 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | int | None = None) -> str:
+        """Queues a request; returns its id (a str: an int id is kept as its decimal string)."""
+        if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, (str, int))):
+            raise RequestError(f"a request id must be a str or an int, got {type(request_id).__name__}")
         params = params if params is not None else SamplingParams()
+        ids, budget = self._checked(prompt, params)
+        with self._lock:
+            return self._queue(ids, params, budget, None if request_id is None else str(request_id))
+
+    def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], int]:
+        """The prompt's token ids and the request's token budget, or a RequestError naming the problem."""
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling parameters must be a SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt)
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self._known:
-            raise RequestError(f"request id {rid!r} is already in use")
-        budget = min(len(ids) + params.max_new_tokens, self.max_model_len)
-        if self.pool.pages_needed(budget) > self.pool.pages.capacity:
-            raise RequestError(f"request {rid!r} needs {self.pool.pages_needed(budget)} KV pages but the pool has "
-                               f"{self.pool.pages.capacity}; lower max_new_tokens or enlarge num_pages")
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos and self.config.eos_token_id is not None:
-            stop.add(self.config.eos_token_id)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
-        self.waiting.append(Request(rid, ids, params, fold_seed(seed), frozenset(stop), budget))
-        self._known.add(rid)
-        return rid
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("text prompt given but the checkpoint has no tokenizer.json; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
+        ids = prompt_ids(prompt, self.tokenizer)
         if not ids:
             raise RequestError("empty prompt: at least one token is needed")
-        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.config.vocab_size]
-        if bad:
-            i, t = bad[0]
-            raise RequestError(f"token id {t} at position {i} is out of range [0, {self.config.vocab_size})")
+        bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < self.config.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad[1]} at position {bad[0]} is out of range [0, {self.config.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt of {len(ids)} tokens is too long: max_model_len={self.max_model_len} "
                                "leaves no room to generate")
         if len(ids) > self.max_prefill_tokens:
             raise RequestError(f"prompt of {len(ids)} tokens exceeds max_prefill_tokens={self.max_prefill_tokens}")
-        return ids
+        budget = min(len(ids) + params.max_new_tokens, self.max_model_len)
+        if self.pool.pages_needed(budget) > self.pool.pages.capacity:
+            raise RequestError(f"the request needs {self.pool.pages_needed(budget)} KV pages but the pool has "
+                               f"{self.pool.pages.capacity}; lower max_new_tokens or enlarge num_pages")
+        return ids, budget
 
-    def abort(self, request_id: str) -> None:
-        for req in list(self.waiting):
-            if req.request_id == request_id:
+    def _queue(self, ids: list[int], params: SamplingParams, budget: int, request_id: str | None) -> str:
+        if request_id is None:
+            request_id = next(r for r in (str(i) for i in self._ids) if r not in self._known)
+        if request_id in self._known:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos and self.config.eos_token_id is not None:
+            stop.add(self.config.eos_token_id)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        self.waiting.append(Request(request_id, ids, params, seed, frozenset(stop), budget))
+        self._known.add(request_id)
+        return request_id
+
+    def abort(self, request_id: str | int) -> None:
+        """Finishes a waiting or running request with finish_reason="abort"; its slot and pages are freed
+        at once, and the next step() returns its final output."""
+        rid = str(request_id)
+        with self._lock:
+            req = next((r for r in self.waiting if r.request_id == rid), None)
+            if req is not None:
                 self.waiting.remove(req)
-                self._known.discard(request_id)
-                break
-        else:
-            req = next((r for r in self.running if r.request_id == request_id), None)
-            if req is None:
-                raise RequestError(f"no unfinished request with id {request_id!r}")
-            self._release(req)
-        req.finish_reason = "abort"
-        self._aborted.append(req)
+            else:
+                req = next((r for r in self.running if r.request_id == rid), None)
+                if req is None:
+                    raise RequestError(f"no unfinished request with id {rid!r}")
+                self._release(req)
+            req.finish_reason = "abort"
+            self._aborted.append(req)
 
     def attach_layer_transfer_counter(self, counter) -> None:
         """Attach a HiCache-style counter (`wait_until(layer_id)`): every step then waits for a layer's
@@ -185,32 +176,54 @@ class Engine:
         if self.decoder is not None and counter is not None and not self.pool.layer_transfer:
             raise CompileError("this compiled engine has no per-layer barrier in its graphs; "
                                "build it with layer_transfer=True to attach a layer-transfer counter")
-        self.pool.register_layer_transfer_counter(counter)
+        with self._lock:
+            self.pool.register_layer_transfer_counter(counter)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        with self._lock:
+            return bool(self.waiting or self.running or self._aborted or self._undelivered)
 
     # ---- stepping ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Advances every unfinished request by one token; returns their cumulative outputs."""
-        with nvtx_range("step"):
-            return self._step()
+        """Advances every unfinished request by one token; returns the cumulative outputs of the requests
+        that advanced or finished (and of any that `generate` stepped past for this caller)."""
+        with self._lock, nvtx_range("step"):
+            latest, self._undelivered = self._undelivered, {}
+            latest.update((o.request_id, o) for o in self._step())  # cumulative: the newest one says it all
+            return list(latest.values())
 
     def _step(self) -> list[RequestOutput]:
         advanced: list[Request] = self._aborted
         self._aborted = []
         decoding = list(self.running)
         if decoding:
-            self._record(decoding, self.runner.decode(decoding))
+            self._run_contained(decoding, self.runner.decode)
         admitted = self._admit()
         if admitted:
-            self._record(admitted, self.runner.prefill(admitted))
+            self._run_contained(admitted, self.runner.prefill)
         advanced += decoding + admitted
         for req in decoding + admitted:
-            if req.finish_reason is not None:
+            if req.finish_reason is not None and req in self.running:
                 self._release(req)
-        return [self._output(r) for r in advanced]
+        outputs = [self._output(r) for r in advanced]
+        self._known.difference_update(r.request_id for r in advanced if r.finish_reason is not None)
+        return outputs
+
+    def _run_contained(self, reqs: list[Request], forward: Callable[[list[Request]], StepOutput]) -> None:
+        """One forward for `reqs` and its tokens recorded; if anything raises, those requests fail (their
+        pool state may be half-written) and are freed, and the engine carries on."""
+        try:
+            with self.torch_state.pinned():
+                out = forward(reqs)
+            self._record(reqs, out)
+        except Exception as e:  # contained: the message reaches each request's output
+            log.exception("a step failed; failing its %d request(s)", len(reqs))
+            message = f"{type(e).__name__}: {e}"
+            for req in reqs:
+                req.fail(message)
+                if req in self.running:
+                    self._release(req)
 
     def _admit(self) -> list[Request]:
         admitted, tokens = [], 0
@@ -247,38 +260,42 @@ class Engine:
     def _release(self, req: Request) -> None:
         self.running.remove(req)
         self.pool.free(req.request_id)
-        self._known.discard(req.request_id)
 
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output) if self.tokenizer is not None else None
         return RequestOutput(req.request_id, req.prompt, list(req.output),
                              list(req.logprobs) if req.params.logprobs else None,
-                             list(req.top_logprobs) if req.params.top_logprobs else None, req.finish_reason, text)
+                             list(req.top_logprobs) if req.params.top_logprobs else None, req.finish_reason, text,
+                             req.error)
 
     # ---- offline --------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Runs the prompts to completion (continuous batching underneath); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Runs the prompts to completion (continuous batching underneath); outputs in prompt order.
+
+        Every prompt is checked before any is queued. Other requests in the engine advance too; their
+        outputs are kept for the next `step()` call, not dropped."""
+        prompts = prompt_list(prompts)
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise RequestError(f"{len(per_prompt)} sampling parameter sets for {len(prompts)} prompts")
-        rids = []
-        try:
-            for prompt, p in zip(prompts, per_prompt):
-                rids.append(self.add_request(prompt, p))
-        except RequestError:
-            for rid in rids:
-                self.abort(rid)
-            self._aborted = [r for r in self._aborted if r.request_id not in rids]
-            raise
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            p = p if p is not None else SamplingParams()
+            try:
+                checked.append((*self._checked(prompt, p), p))
+            except RequestError as e:
+                raise RequestError(f"prompt {i}: {e}") from None
+        with self._lock:
+            rids = [self._queue(ids, p, budget, None) for ids, budget, p in checked]
         final: dict[str, RequestOutput] = {}
         wanted = set(rids)
-        while wanted - final.keys():
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
+        while len(final) < len(rids):
+            with self._lock:
+                for out in self._step():
+                    if out.request_id not in wanted:
+                        self._undelivered[out.request_id] = out
+                    elif out.finished:
+                        final[out.request_id] = out
         return [final[r] for r in rids]
-

@@ -17,5 +17,9 @@ class RequestError(InklingError, ValueError):
     """A request (prompt or sampling parameters) cannot be served."""
 
 
+class OptionError(InklingError, ValueError):
+    """An engine option is out of its range (a batch size of 0, a bucket larger than the batch, ...)."""
+
+
 class CompileError(InklingError, RuntimeError):
     """The compiled decode step cannot be built or would recompile after warm-up."""

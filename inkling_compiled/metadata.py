@@ -47,7 +47,6 @@ class StepMetadata(msgspec.Struct):
     has_initial_state: Annotated[torch.Tensor, PerRow(torch.bool)]  # the slot's conv window is this row's history
     seq_lens: Annotated[torch.Tensor, PerRow(torch.int32)]  # tokens in the cache once this step is written
     positions: Annotated[torch.Tensor, PerToken(torch.int64)]  # position of each token in its sequence
-    token_seq_start: Annotated[torch.Tensor, PerToken(torch.int64)]  # packed index of its row's first token
     global_kv_loc: Annotated[torch.Tensor, PerToken(torch.int64)]  # page location in global layers' caches
     sliding_kv_loc: Annotated[torch.Tensor, PerToken(torch.int64)]  # ring location in sliding layers (-1 = not kept)
     last_token_index: Annotated[torch.Tensor, PerRow(torch.int64)]  # packed index of each row's last token
@@ -152,7 +151,6 @@ class StepBuffers:
         h["query_start_loc"][:rows + 1] = self._arange[:rows + 1]
         np.greater(slot, 0, out=h["has_initial_state"][:rows])
         h["last_token_index"][:rows] = self._arange[:rows]
-        h["token_seq_start"][:rows] = self._arange[:rows]
         self._fill_kv_locations(rows, slot, pos)
         self._fill_sampling(sampling, rows)
         return self._publish(True, rows, rows)
@@ -179,7 +177,6 @@ class StepBuffers:
         h["seq_lens"][:rows] = lens
         h["last_token_index"][:rows] = starts + lens - 1
         h["positions"][:tokens] = pos
-        h["token_seq_start"][:tokens] = starts[row_of]
         self._fill_kv_locations(tokens, np.asarray(slots, dtype=np.int64)[row_of], pos,
                                 ring_kept=pos >= lens[row_of] - self.window)
         self._fill_sampling(sampling, rows)

@@ -243,7 +243,7 @@ class InklingForCausalLM(nn.Module):
         """Full-sequence forward of each sequence from scratch, packed into one pass; per-sequence logits."""
         device = self.lm_head.weight.device
         seqs = [torch.as_tensor(s, dtype=torch.long, device=device) for s in sequences]
-        ctx = FullSequenceContext.for_lengths([len(s) for s in seqs], self.config, device)
+        ctx = FullSequenceContext([len(s) for s in seqs], self.config, device)
         logits = self(torch.cat(seqs), ctx)
         return list(logits.split([len(s) for s in seqs]))
 

@@ -10,14 +10,19 @@ on a `torch.Generator`'s hidden state.
 from __future__ import annotations
 
 import math
+import numbers
 
 import msgspec
+import numpy as np
 import torch
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
 from .errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_COUNT = 2**31 - 1  # max_new_tokens and top_k: what the step's int32/int64 buffers hold with room to spare
+MAX_SEED = 2**64 - 1  # seeds are 64-bit: every bit is hashed
+MAX_FLOAT32 = 3.4028234663852886e38
 _MASK32 = 0xFFFFFFFF
 
 
@@ -34,36 +39,42 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self):
         problems = []
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_COUNT:
+            problems.append(f"max_new_tokens must be an integer in 1..{MAX_COUNT}, got {self.max_new_tokens!r}")
+        if not _is_float(self.temperature) or not 0 <= self.temperature <= MAX_FLOAT32:
             problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            problems.append(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
+            problems.append(f"top_k must be an integer in 0..{MAX_COUNT} (0 = off), got {self.top_k!r}")
+        # top_p travels as fp32: a value that rounds to 0 there would keep no token at all
+        if not _is_float(self.top_p) or not (0.0 < self.top_p <= 1.0) or float(np.float32(self.top_p)) <= 0.0:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            problems.append(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            problems.append(f"seed must be None or an integer in 0..2**64-1, got {self.seed!r}")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             problems.append(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            problems.append(f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (tuple, list)) or \
+                not all(_is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids must be a sequence of non-negative integers, got {self.stop_token_ids!r}")
+        for flag in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, flag), bool):
+                problems.append(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if problems:
             raise RequestError("invalid sampling parameters: " + "; ".join(problems))
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _is_float(x) -> bool:
+    """A finite real number (ints included, bools not)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def fold_seed(seed: int) -> int:
-    """Any Python int -> 32 bits for the hash."""
-    seed &= (1 << 64) - 1
-    return (seed ^ (seed >> 32)) & _MASK32
+def seed_bits(seed: int) -> int:
+    """A seed in 0..2**64-1 as the int64 with the same 64 bits (what the step's seed buffer holds)."""
+    seed = int(seed)
+    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +87,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0,1) [B, vocab] from per-row seed [B] (32-bit) and counter [B], independent of batch layout."""
+    """U(0,1) [B, vocab] from per-row seed [B] (int64: all 64 bits count) and counter [B], independent
+    of batch layout."""
     ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    x = _mix32(seed ^ ((counter * 0x27D4EB2D) & _MASK32))
+    high = (seed >> 32) & _MASK32  # arithmetic shift, then masked: the top 32 bits of the pattern
+    x = _mix32((seed & _MASK32) ^ _mix32(high ^ 0x9E3779B9))
+    x = _mix32(x ^ ((counter * 0x27D4EB2D) & _MASK32))
     x = _mix32(x[:, None] ^ ((ids[None, :] * 0x165667B1) & _MASK32))
     return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 

@@ -214,3 +214,73 @@ def test_generate_rejects_a_bad_prompt_without_leaking(checkpoint):
         engine.generate([[5, 6], []], GREEDY)
     assert not engine.has_unfinished()
     assert engine.generate([[5, 6]], SamplingParams(max_new_tokens=2))[0].finish_reason is not None
+
+
+@pytest.mark.parametrize("prompt, needle", [
+    ([1.5, 2.7], "token 0 is float 1.5"),
+    ([True, 5], "token 0 is bool True"),
+    (["1", "2"], "token 0 is str '1'"),
+    (b"\x05\x06", "got bytes"),
+    ({"ids": [5]}, "got dict"),
+    ([float("nan")], "token 0 is float nan"),
+    ([5, None], "token 1 is NoneType None"),
+    (None, "got NoneType"),
+    ([[5, 6], 7], "token 0 is list"),
+    (torch.tensor([[5, 6]]), r"1-D of integer token ids, got shape \(1, 2\)"),
+    (torch.tensor([5.0, 6.0]), "of torch.float32"),
+    ("\ud800", "cannot be tokenized"),
+])
+def test_prompts_are_exactly_text_or_integer_ids(prompt, needle, checkpoint):
+    engine = engine_for(checkpoint, "tiny")
+    with pytest.raises(RequestError, match=needle):
+        engine.add_request(prompt, GREEDY)
+    assert not engine.has_unfinished()
+
+
+def test_integer_arrays_and_tensors_are_prompts(checkpoint):
+    import numpy as np
+
+    engine = engine_for(checkpoint, "tiny")
+    want = engine.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    for prompt in (np.array([5, 6, 7]), torch.tensor([5, 6, 7]), (5, 6, 7), [np.int64(5), 6, 7]):
+        (out,) = engine.generate(prompt, GREEDY)  # one prompt, not three
+        assert out.prompt_token_ids == [5, 6, 7] and out.token_ids == want
+
+
+def test_request_ids_never_collide(checkpoint):
+    engine = engine_for(checkpoint, "tiny")
+    params = SamplingParams(max_new_tokens=2)
+    assert engine.add_request([5], params, request_id="1") == "1"
+    automatic = [engine.add_request([5], params) for _ in range(3)]
+    assert len(set(automatic + ["1"])) == 4
+    assert engine.add_request([5], params, request_id=12345) == "12345"
+    engine.abort(12345)  # the int a caller used works for abort too
+    with pytest.raises(RequestError, match="already in use"):  # its abort has not been delivered yet
+        engine.add_request([5], params, request_id="12345")
+    outs = engine.step()
+    assert len([o for o in outs if o.request_id == "12345"]) == 1
+    assert engine.add_request([5], params, request_id="12345") == "12345"  # free once delivered
+    with pytest.raises(RequestError, match="a request id must be a str or an int"):
+        engine.add_request([5], params, request_id=1.5)
+
+
+def test_every_bit_of_the_seed_counts(checkpoint):
+    engine = engine_for(checkpoint, "tiny")
+    prompt = random_prompt(6, seed=8)
+
+    def tokens(seed):
+        return engine.generate([prompt], SamplingParams(max_new_tokens=8, temperature=1.5, seed=seed,
+                                                        ignore_eos=True))[0].token_ids
+
+    runs = [tokens(s) for s in (0, 2**32, 2**63, 2**64 - 1, 1)]
+    assert len({tuple(r) for r in runs}) == len(runs)
+    assert tokens(2**64 - 1) == runs[3]  # and the same seed is the same tokens
+
+
+def test_kv_page_budget_and_prefill_bound_are_refused_with_their_names(checkpoint):
+    engine = engine_for(checkpoint, "tiny", max_model_len=64, page_size=4, num_pages=5, max_prefill_tokens=10)
+    with pytest.raises(RequestError, match="needs 5 KV pages but the pool has 4"):
+        engine.add_request([5] * 8, SamplingParams(max_new_tokens=9))  # 17 tokens: 5 pages
+    with pytest.raises(RequestError, match="exceeds max_prefill_tokens=10"):
+        engine.add_request([5] * 11, SamplingParams(max_new_tokens=2))
+    assert engine.add_request([5] * 8, SamplingParams(max_new_tokens=8))  # 16 tokens: 4 pages fit

@@ -204,8 +204,11 @@ def test_native_paged_attention_moe_and_filter_match_their_references():
         assert torch.allclose(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0), atol=1e-5, rtol=1e-5)
 
 
-def test_paged_attention_reads_only_its_pages():
-    """Keys on pages outside a row's table (or past its length) must not change its output."""
+@pytest.mark.parametrize("kernel", ["op", "reference", "CUDA"])
+def test_paged_attention_reads_only_its_pages(kernel):
+    """Keys and values on pages outside a row's table, or past its length, must not change its output,
+    not even when they are NaN (a hidden key's probability is 0, and 0 * NaN is NaN)."""
+    paged_attention = {"op": torch.ops.inkling.paged_attention.default, **KERNELS["paged_attention"]}[kernel]
     g = torch.Generator().manual_seed(3)
     kc, vc = torch.randn(16, 1, 4, generator=g), torch.randn(16, 1, 4, generator=g)
     args = dict(table=torch.randn(1, 2, 5, generator=g), tau=None,
@@ -219,6 +222,25 @@ def test_paged_attention_reads_only_its_pages():
     kc2[6:8] = -99.0  # page 1 past the 6th key (page 2 holds keys 0-3, page 1 keys 4-5)
     vc2[0:4] = 5.0
     assert torch.equal(paged_attention(q, kc2, vc2, **args), out)
+    for cache in (kc2, vc2):
+        cache[0:4] = float("nan")
+        cache[6:8] = float("nan")
+    assert torch.equal(paged_attention(q, kc2, vc2, **args), out)
+
+
+def test_ring_attention_never_reads_entries_it_may_not_see():
+    """A young sequence's ring holds entries it never wrote (k_pos < 0): even NaN there changes nothing."""
+    from inkling_compiled.attention import attend_ring
+
+    g = torch.Generator().manual_seed(4)
+    W, slots = 4, 3
+    kr, vr = torch.randn(slots * W, 1, 4, generator=g), torch.randn(slots * W, 1, 4, generator=g)
+    q, table = torch.randn(2, 2, 4, generator=g), torch.randn(2, 2, W, generator=g)
+    positions, cache_indices = torch.tensor([1, 6]), torch.tensor([1, 2], dtype=torch.int32)
+    out = attend_ring(q, kr, vr, table, positions, cache_indices, W, W)
+    for ring in (kr, vr):
+        ring[W + 2:W + 4] = float("nan")  # slot 1 holds positions 0 and 1 only: entries 2 and 3 are unwritten
+    assert torch.equal(attend_ring(q, kr, vr, table, positions, cache_indices, W, W), out)
 
 
 # ---- the CUDA kernels, run on CPU tensors -------------------------------------------------------------

@@ -68,12 +68,16 @@ def test_slot_and_page_zero_are_never_handed_out():
 
 
 def test_allocation_clears_the_slot_and_fills_the_block_table():
-    _, pool = tiny_pool()
-    for t in pool.conv.values():
+    config, pool = tiny_pool()
+    W = config.sliding_window_size
+    for t in list(pool.conv.values()) + pool.sliding_kv:
         t.fill_(7.0)
     slot = pool.allocate("a", 9)  # 3 pages of 4
     assert all(t[:, slot].abs().sum() == 0 for t in pool.conv.values())
     assert all(t[:, 2].eq(7.0).all() for t in pool.conv.values())  # other slots untouched
+    # the slot's sliding-window rings too: nothing of the slot's last request may be read
+    assert all(t[:, slot * W:(slot + 1) * W].abs().sum() == 0 for t in pool.sliding_kv)
+    assert all(t[:, :slot * W].eq(7.0).all() and t[:, (slot + 1) * W:].eq(7.0).all() for t in pool.sliding_kv)
     assert pool.block_table[slot, :3].tolist() == pool.pages_of["a"] and pool.block_table[slot, 3] == 0
     pool.free("a")
     assert pool.block_table[slot].abs().sum() == 0

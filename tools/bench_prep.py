@@ -46,7 +46,7 @@ def naive_metadata(rows: list[int], slots: list[int], positions: list[int]) -> S
     return StepMetadata(
         is_decode=True, input_ids=torch.tensor(rows, dtype=torch.int64), cache_indices=slot,
         query_start_loc=torch.arange(n + 1, dtype=torch.int32), has_initial_state=slot > 0,
-        seq_lens=(pos + 1).to(torch.int32), positions=pos, token_seq_start=torch.arange(n),
+        seq_lens=(pos + 1).to(torch.int32), positions=pos,
         global_kv_loc=pos.clone(), sliding_kv_loc=pos.clone(), last_token_index=torch.arange(n),
         temperature=torch.zeros(n), top_k=torch.zeros(n, dtype=torch.int64), top_p=torch.ones(n),
         seed=torch.zeros(n, dtype=torch.int64), sample_counter=torch.zeros(n, dtype=torch.int64))

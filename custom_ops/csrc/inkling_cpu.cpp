@@ -173,29 +173,20 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, co
 }
 
 // Decode attention of one query per row over its paged keys (global layers): the recipe of
-// inkling_compiled/attention.py (band bias, log scale tau, 1/hd, fp32 softmax) for fp32 tensors.
-at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& table_in, const std::optional<at::Tensor>& tau_in,
-                           const at::Tensor& block_table, const at::Tensor& cache_indices,
-                           const at::Tensor& seq_lens, int64_t page_size, int64_t rel_extent) {
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
-              "the CPU paged_attention kernel is fp32");
-  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "caches need unit head_dim stride");
-  const auto q = q_in.contiguous(), table = table_in.contiguous();
-  const auto bt = block_table.to(at::kInt).contiguous();
-  const auto idx = cache_indices.to(at::kInt).contiguous();
-  const auto lens = seq_lens.to(at::kInt).contiguous();
-  at::Tensor tau;
-  if (tau_in.has_value()) tau = tau_in->to(at::kFloat).contiguous();
+// inkling_compiled/attention.py (band bias, log scale tau, 1/hd, fp32 softmax). fp32 or bf16 tensors;
+// the arithmetic is fp32 either way, the output is rounded to the query's dtype.
+template <typename scalar_t>
+void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& table, const at::Tensor& tau, const at::Tensor& bt, const at::Tensor& idx,
+                          const at::Tensor& lens, int64_t page_size, int64_t rel_extent, at::Tensor& out) {
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), E = table.size(2);
   const int64_t group = nh / nkv, pages = bt.size(1);
-  auto out = at::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* tp = table.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* tp = table.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
   const int32_t* btp = bt.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
+  scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t k0 = k_cache.stride(0), k1 = k_cache.stride(1), v0 = v_cache.stride(0), v1 = v_cache.stride(1);
   const float inv_hd = 1.0f / static_cast<float>(hd);
   std::vector<float> qs(hd), scores, acc(hd);
@@ -206,18 +197,18 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
     const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
     scores.resize(n);
     for (int64_t h = 0; h < nh; ++h) {
-      const float* qh = qp + (b * nh + h) * hd;
-      for (int64_t d = 0; d < hd; ++d) qs[d] = tau.defined() ? qh[d] * t : qh[d];
-      const float* th = tp + (b * nh + h) * E;
+      const scalar_t* qh = qp + (b * nh + h) * hd;
+      for (int64_t d = 0; d < hd; ++d) qs[d] = tau.defined() ? static_cast<float>(qh[d]) * t : static_cast<float>(qh[d]);
+      const scalar_t* th = tp + (b * nh + h) * E;
       const int64_t kvh = h / group;
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t loc = static_cast<int64_t>(row[j / page_size]) * page_size + j % page_size;
-        const float* kj = kp + loc * k0 + kvh * k1;
+        const scalar_t* kj = kp + loc * k0 + kvh * k1;
         float dot = 0.0f;
-        for (int64_t d = 0; d < hd; ++d) dot += qs[d] * kj[d];
+        for (int64_t d = 0; d < hd; ++d) dot += qs[d] * static_cast<float>(kj[d]);
         const int64_t dist = pos - j;
-        float bias = dist < rel_extent ? th[dist] : 0.0f;
+        float bias = dist < rel_extent ? static_cast<float>(th[dist]) : 0.0f;
         if (tau.defined()) bias = bias * t;
         const float s = dot * inv_hd + bias;
         scores[j] = s;
@@ -231,14 +222,36 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t loc = static_cast<int64_t>(row[j / page_size]) * page_size + j % page_size;
-        const float* vj = vp + loc * v0 + kvh * v1;
+        const scalar_t* vj = vp + loc * v0 + kvh * v1;
         const float p = scores[j] / total;
-        for (int64_t d = 0; d < hd; ++d) acc[d] += p * vj[d];
+        for (int64_t d = 0; d < hd; ++d) acc[d] += p * static_cast<float>(vj[d]);
       }
-      std::memcpy(op + (b * nh + h) * hd, acc.data(), hd * sizeof(float));
+      scalar_t* oh = op + (b * nh + h) * hd;
+      for (int64_t d = 0; d < hd; ++d) oh[d] = static_cast<scalar_t>(acc[d]);
     }
   }
-  (void)E;
+}
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& table_in, const std::optional<at::Tensor>& tau_in,
+                           const at::Tensor& block_table, const at::Tensor& cache_indices,
+                           const at::Tensor& seq_lens, int64_t page_size, int64_t rel_extent) {
+  const auto dtype = q_in.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "the CPU paged_attention kernel takes fp32 or bf16");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "paged_attention: q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "caches need unit head_dim stride");
+  const auto q = q_in.contiguous(), table = table_in.to(dtype).contiguous();
+  const auto bt = block_table.to(at::kInt).contiguous();
+  const auto idx = cache_indices.to(at::kInt).contiguous();
+  const auto lens = seq_lens.to(at::kInt).contiguous();
+  at::Tensor tau;
+  if (tau_in.has_value()) tau = tau_in->to(at::kFloat).contiguous();
+  auto out = at::empty_like(q);
+  if (dtype == at::kFloat)
+    paged_attention_impl<float>(q, k_cache, v_cache, table, tau, bt, idx, lens, page_size, rel_extent, out);
+  else
+    paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, table, tau, bt, idx, lens, page_size, rel_extent, out);
   return out;
 }
 

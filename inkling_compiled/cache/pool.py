@@ -70,7 +70,8 @@ class StatePool:
         return self.slots.num_free > 0 and self.pages.num_free >= self.pages_needed(num_tokens)
 
     def allocate(self, request_id: str, num_tokens: int) -> int:
-        """Reserves a slot and the pages for `num_tokens` tokens; clears the slot's conv state."""
+        """Reserves a slot and the pages for `num_tokens` tokens; clears the slot's conv state and its
+        sliding-window rings, so nothing of the slot's previous request can be read."""
         if request_id in self.slot_of:
             raise KeyError(f"request {request_id!r} already holds slot {self.slot_of[request_id]}")
         need = self.pages_needed(num_tokens)
@@ -88,6 +89,9 @@ class StatePool:
         self.block_table[slot].copy_(row)
         for t in self.conv.values():
             t[:, slot].zero_()
+        W = self.config.sliding_window_size
+        for t in self.sliding_kv:
+            t[:, slot * W:(slot + 1) * W].zero_()
         return slot
 
     def free(self, request_id: str) -> None:
