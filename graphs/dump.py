@@ -146,6 +146,8 @@ class GraphDump:
         logger = logging.getLogger(_GUARD_LOGGER)
         logger.addHandler(handler)
         torch._logging.set_logs(guards=True)
+        # The guards go to the dump's files only: not up to torch's stderr handler.
+        propagate, logger.propagate = logger.propagate, False
         summary = {"model": model, "backend": backend, "device": device, "buckets": {}}
         try:
             for bucket in decoder.buckets:
@@ -193,6 +195,7 @@ class GraphDump:
                               inputs, backend)
         finally:
             logger.removeHandler(handler)
+            logger.propagate = propagate
             torch._logging.set_logs()
         (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         (out / "summary.md").write_text(summary_markdown(summary))

@@ -10,6 +10,11 @@ DEMO_PROMPTS = ["The short convolution", "Hello, Inkling!", "a", "Continuous bat
                 "0123456789", "Pages and slots"]
 
 
+def printable(text: str) -> str:
+    """Generated text with control characters escaped (newlines and tabs kept): what a terminal may show."""
+    return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text)
+
+
 class ProgressBar:
     """A one-line stderr bar for long generations; drawn only on a terminal."""
 
@@ -81,14 +86,20 @@ def _generate(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .sampling import SamplingParams
 
+    prompts = args.prompt
+    if args.token_ids:
+        try:
+            prompts = [token_ids(p) for p in args.prompt]
+        except argparse.ArgumentTypeError as e:
+            print(f"error: --prompt: {e}", file=sys.stderr)
+            return 2
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)  # checked before loading
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained(args.model, **_engine_args(args))
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-    prompts = [[int(t) for t in p.split(",")] if args.token_ids else p for p in args.prompt]
     outs, seconds = _run_engine(engine, prompts, params, show_progress=not args.quiet)
     for out in outs:
-        print(out.text if out.text is not None and not args.token_ids else out.token_ids)
+        print(printable(out.text) if out.text is not None and not args.token_ids else out.token_ids)
     total = sum(len(o.token_ids) for o in outs)
     print(f"[{total} tokens in {seconds:.2f} s, {total / seconds:.1f} tokens/s]", file=sys.stderr)
     return 0
@@ -161,20 +172,54 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with every default in the help and one `error:` line (exit 2) for a bad command line."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def token_ids(text: str) -> list[int]:
+    """'5,6,7' -> [5, 6, 7]; anything else is an argparse error naming the bad part."""
+    parts = text.split(",")
+    if not all(p.strip().lstrip("-").isdigit() for p in parts):
+        bad = next(p for p in parts if not p.strip().lstrip("-").isdigit())
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids (bad part: {bad!r})")
+    return [int(p) for p in parts]
+
+
 def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, buckets=None) -> None:
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "fp32", "bf16"],
+                   help="weights and caches (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="decode through the compiled per-bucket graphs (--no-compile: the eager path)")
-    p.add_argument("--compile-backend", default="inductor", help="inductor | eager | aot_eager | tensorrt")
-    p.add_argument("--max-batch-size", type=int, default=max_batch_size)
-    p.add_argument("--buckets", type=int, nargs="+", default=buckets, help="batch buckets to compile")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager", "aot_eager", "tensorrt"],
+                   help="torch.compile backend of the decode graphs")
+    p.add_argument("--max-batch-size", type=positive_int, default=max_batch_size,
+                   help="requests decoded together (slots in the state pool)")
+    p.add_argument("--buckets", type=positive_int, nargs="+", default=buckets,
+                   help="batch sizes to compile a graph for (default: powers of two up to --max-batch-size)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens to generate per prompt")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="inkling-compiled", description="A compiled decode engine for Inkling models")
+    p = Parser(prog="inkling-compiled", description="A compiled decode engine for Inkling models")
     sub = p.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="several prompts in one batch on the embedded tiny checkpoint")
@@ -186,23 +231,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="checkpoint folder")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     gen.add_argument("--token-ids", action="store_true", help="prompts are comma-separated token ids")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set reaching this mass (1 = off)")
+    gen.add_argument("--seed", type=int, default=None, help="0..2**64-1 (default: the engine draws one)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the eos token")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_engine_options(gen)
     gen.set_defaults(run=_generate)
 
     bench = sub.add_parser("bench", help="decode tokens/s vs transformers' generate (same weights)")
-    bench.add_argument("--configs", nargs="+", default=["tiny", "small"])
-    bench.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
-    bench.add_argument("--prompt-len", type=int, default=64)
-    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--configs", nargs="+", default=["tiny", "small"], help="tiny checkpoint configs to run")
+    bench.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32], help="batch sizes")
+    bench.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
+    bench.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per request")
     bench.add_argument("--engines", nargs="+", default=["compiled", "eager", "transformers"],
-                       choices=["compiled", "eager", "transformers"])
-    bench.add_argument("--json", default="bench-decode.json")
+                       choices=["compiled", "eager", "transformers"], help="what to measure")
+    bench.add_argument("--json", default="bench-decode.json", help="results file")
     bench.add_argument("--png", default="bench-decode.png", help="plot (needs matplotlib: the [bench] extra)")
     bench.add_argument("--compile-times", nargs="*", default=[], metavar="CONFIG",
                        help="also time cold and warm warm-up of all default buckets for these configs")
@@ -210,18 +255,20 @@ def build_parser() -> argparse.ArgumentParser:
     dump = sub.add_parser("dump-graphs", help="write each bucket's graphs, code, guards and op census as text")
     dump.add_argument("--model", help="checkpoint folder")
     dump.add_argument("--out", help="output folder")
-    dump.add_argument("--buckets", type=int, nargs="+", default=None)
-    dump.add_argument("--backend", default="inductor", choices=["inductor", "eager", "aot_eager"])
-    dump.add_argument("--device", default="cpu")
-    dump.add_argument("--threads", type=int, default=1)
+    dump.add_argument("--buckets", type=positive_int, nargs="+", default=None,
+                      help="batch sizes to dump (default: powers of two up to 32)")
+    dump.add_argument("--backend", default="inductor", choices=["inductor", "eager", "aot_eager"],
+                      help="compile backend to record")
+    dump.add_argument("--device", default="cpu", help="cpu or cuda")
+    dump.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     dump.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two dump folders instead")
     dump.set_defaults(run=_dump_graphs)
 
     prof = sub.add_parser("profile", help="profile a fixed decode workload (torch.profiler trace, or nsys)")
     prof.add_argument("--model", required=True, help="checkpoint folder")
-    prof.add_argument("--out", default="profile-out")
-    prof.add_argument("--batch", type=int, default=4)
-    prof.add_argument("--steps", type=int, default=8)
+    prof.add_argument("--out", default="profile-out", help="output folder")
+    prof.add_argument("--batch", type=positive_int, default=4, help="requests in the workload")
+    prof.add_argument("--steps", type=positive_int, default=8, help="measured decode steps")
     prof.add_argument("--nsys", action="store_true", help="print (and run, where nsys exists) the nsys command")
     _add_engine_options(prof, max_batch_size=8)
     prof.set_defaults(run=_profile, argv=None)

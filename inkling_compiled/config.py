@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,22 @@ SPARSE = "sparse"
 
 TEXT_MODEL_TYPE = "inkling_text"
 MULTIMODAL_MODEL_TYPE = "inkling_mm_model"
+
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "sliding_window_size", "d_rel",
+    "rel_extent", "conv_kernel_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+    "num_experts_per_tok", "n_shared_experts", "max_position_embeddings",
+)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_finite(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
 
 # Older or original names for the same fields (transformers' attribute_map).
 _ALIASES = {
@@ -107,15 +125,24 @@ class InklingConfig:
         raw = {_ALIASES.get(k, k): v for k, v in raw.items()}
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
-        n = int(values.get("num_hidden_layers", cls.num_hidden_layers))
+        n = values.get("num_hidden_layers", cls.num_hidden_layers)
+        if not _is_int(n) or n <= 0:
+            raise ConfigError(f"invalid Inkling config: num_hidden_layers must be a positive integer, got {n!r}")
 
         if not values.get("layer_types"):
             local = raw.get("local_layer_ids")
+            if local is not None and (not isinstance(local, list) or not all(_is_int(i) for i in local)):
+                raise ConfigError(f"invalid Inkling config: local_layer_ids must be a list of integers, got {local!r}")
             local_ids = set(local) if local is not None else {i for i in range(n) if (i + 1) % 6}
             values["layer_types"] = [SLIDING if i in local_ids else GLOBAL for i in range(n)]
         if not values.get("mlp_layer_types"):
-            dense_upto = int(raw.get("dense_mlp_idx", 0))
+            dense_upto = raw.get("dense_mlp_idx", 0)
+            if not _is_int(dense_upto):
+                raise ConfigError(f"invalid Inkling config: dense_mlp_idx must be an integer, got {dense_upto!r}")
             values["mlp_layer_types"] = [DENSE if i < dense_upto else SPARSE for i in range(n)]
+        for name in ("layer_types", "mlp_layer_types"):
+            if not isinstance(values[name], (list, tuple)):
+                raise ConfigError(f"invalid Inkling config: {name} must be a list, got {values[name]!r}")
         if raw.get("dense_intermediate_size") is not None:
             # The checkpoint's intermediate_size is the expert width; the dense width comes separately.
             values["moe_intermediate_size"] = values.get("intermediate_size", cls.intermediate_size)
@@ -152,46 +179,51 @@ class InklingConfig:
         return out
 
     def validate(self) -> None:
+        """Every field's type and range, all problems in one ConfigError."""
         problems: list[str] = []
 
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                problems.append(f"{name} must be a positive integer, got {value!r}")
+        def check(names: tuple[str, ...], ok, what: str) -> None:
+            for name in names:
+                value = getattr(self, name)
+                if not ok(value):
+                    problems.append(f"{name} must be {what}, got {value!r}")
 
-        for name in (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim",
-            "sliding_window_size", "d_rel", "rel_extent", "conv_kernel_size", "intermediate_size",
-            "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-        ):
-            positive(name)
+        check(_POSITIVE_INTS, lambda v: _is_int(v) and v > 0, "a positive integer")
+        check(("unpadded_vocab_size", "log_scaling_n_floor"), lambda v: v is None or (_is_int(v) and v > 0),
+              "a positive integer or null")
+        check(("pad_token_id", "bos_token_id", "eos_token_id"), lambda v: v is None or (_is_int(v) and v >= 0),
+              "a token id or null")
+        check(("log_scaling_alpha", "route_scale"), _is_finite, "a finite number")
+        check(("rms_norm_eps",), lambda v: _is_finite(v) and v > 0, "a finite number > 0")
+        check(("logits_mup_width_multiplier",), lambda v: _is_finite(v) and v != 0, "a finite non-zero number")
+        if problems:  # the checks below assume the types are right
+            raise ConfigError("invalid Inkling config: " + "; ".join(problems))
         n = self.num_hidden_layers
         if len(self.layer_types) != n:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {n} layers")
-        if bad := sorted(set(self.layer_types) - {SLIDING, GLOBAL}):
+        if bad := sorted(map(str, set(self.layer_types) - {SLIDING, GLOBAL})):
             problems.append(f"unknown layer_types {bad}: expected {SLIDING!r} or {GLOBAL!r}")
         if len(self.mlp_layer_types) != n:
             problems.append(f"mlp_layer_types has {len(self.mlp_layer_types)} entries for {n} layers")
-        if bad := sorted(set(self.mlp_layer_types) - {DENSE, SPARSE}):
+        if bad := sorted(map(str, set(self.mlp_layer_types) - {DENSE, SPARSE})):
             problems.append(f"unknown mlp_layer_types {bad}: expected {DENSE!r} or {SPARSE!r}")
         if self.hidden_act != "silu":
             problems.append(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         for heads, kv in (("num_attention_heads", "num_key_value_heads"),
                           ("swa_num_attention_heads", "swa_num_key_value_heads")):
             h, k = getattr(self, heads), getattr(self, kv)
-            if isinstance(h, int) and isinstance(k, int) and k > 0 and h % k:
+            if h % k:
                 problems.append(f"{heads}={h} is not a multiple of {kv}={k}")
-        if isinstance(self.num_experts_per_tok, int) and self.num_experts_per_tok > self.n_routed_experts:
+        if self.num_experts_per_tok > self.n_routed_experts:
             problems.append(
                 f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}"
             )
-        if self.unpadded_vocab_size is not None and not (0 < self.unpadded_vocab_size <= self.vocab_size):
+        if self.unpadded_vocab_size is not None and self.unpadded_vocab_size > self.vocab_size:
             problems.append(f"unpadded_vocab_size={self.unpadded_vocab_size} must be in 1..vocab_size={self.vocab_size}")
-        if self.log_scaling_n_floor is not None and self.log_scaling_n_floor <= 0:
-            problems.append(f"log_scaling_n_floor must be positive, got {self.log_scaling_n_floor}")
-        if self.logits_mup_width_multiplier == 0:
-            problems.append("logits_mup_width_multiplier must not be 0")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            token = getattr(self, name)
+            if token is not None and token >= self.vocab_size:
+                problems.append(f"{name}={token} is outside the vocabulary (vocab_size={self.vocab_size})")
         if problems:
             raise ConfigError("invalid Inkling config: " + "; ".join(problems))
 

@@ -100,10 +100,11 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype=None, compile: bool = True,
-                        max_batch_size: int = 32, **kwargs) -> "Engine":
+                        max_batch_size: int = 32, check_finite: bool = True, **kwargs) -> "Engine":
         """Loads a checkpoint folder. compile=True (default) runs decode steps through the compiled
-        per-bucket graphs (warmed up here); compile=False is the eager reference path."""
-        model, _ = load_model(path, device=device, dtype=dtype)
+        per-bucket graphs (warmed up here); compile=False is the eager reference path. check_finite
+        refuses a checkpoint with NaN or inf weights."""
+        model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite)
         return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
                    max_batch_size=max_batch_size, **kwargs)
 

@@ -8,6 +8,7 @@ import torch
 
 from .checkpoint import read_text_tensors
 from .config import InklingConfig
+from .errors import CheckpointError, OptionError
 from .model import InklingForCausalLM, keeps_fp32
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -19,11 +20,24 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}: choose one of {sorted(_DTYPES)}")
+            raise OptionError(f"unsupported dtype {dtype!r}: choose one of {sorted(_DTYPES)}")
         return _DTYPES[dtype]
     if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"unsupported dtype {dtype}: only float32 and bfloat16")
+        raise OptionError(f"unsupported dtype {dtype}: only float32 and bfloat16")
     return dtype
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A device torch can use here, or an OptionError that says why not."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise OptionError(f"unknown device {device!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise OptionError(f"device {str(device)!r} asked for, but this torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise OptionError(f"device {str(device)!r} is not supported: cpu or cuda")
+    return device
 
 
 def column_major(name: str, shape: tuple[int, ...]) -> bool:
@@ -38,13 +52,15 @@ def column_major(name: str, shape: tuple[int, ...]) -> bool:
     return is_matmul and len(shape) >= 2 and shape[-2] > shape[-1]
 
 
-def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None
-               ) -> tuple[InklingForCausalLM, str | None]:
+def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+               check_finite: bool = True) -> tuple[InklingForCausalLM, str | None]:
     """Builds the model on the meta device and assigns each checkpoint tensor as it is read.
 
-    Returns the model (eval mode, no grads) and the loader's skipped-tensor report.
+    With check_finite (the default) every tensor is checked once, as loaded, for NaN and inf: a
+    checkpoint with any is refused with the names of those tensors. Returns the model (eval mode, no
+    grads) and the loader's skipped-tensor report.
     """
-    device = torch.device(device)
+    device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     config = InklingConfig.from_file(Path(path))
     rows = config.logits_vocab_size
@@ -60,7 +76,19 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
             return fresh.copy_(t.transpose(-1, -2)).transpose(-1, -2)
         return torch.empty(t.shape, dtype=out_dtype, device=device).copy_(t)
 
-    tensors, report = read_text_tensors(path, config, convert)
+    non_finite: list[str] = []
+
+    def convert_checked(name: str, t: torch.Tensor) -> torch.Tensor:
+        out = convert(name, t)
+        if check_finite and not bool(torch.isfinite(out).all()):
+            non_finite.append(name)
+        return out
+
+    tensors, report = read_text_tensors(path, config, convert_checked)
+    if non_finite:
+        shown = ", ".join(non_finite[:8]) + (f" and {len(non_finite) - 8} more" if len(non_finite) > 8 else "")
+        raise CheckpointError(f"{Path(path)}: non-finite values (NaN or inf) in {shown}; "
+                              "load with check_finite=False to accept them")
     with torch.device("meta"):
         model = InklingForCausalLM(config)
     model.load_state_dict(tensors, strict=True, assign=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import CheckpointError
+
 
 def _bytes_to_unicode() -> dict[int, str]:
     """The byte-level alphabet: printable bytes map to themselves, the rest to code points from 256 up."""
@@ -39,7 +41,10 @@ class TextTokenizer:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises its own bare Exception
+            raise CheckpointError(f"{path} cannot be read as a tokenizer: {e}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod

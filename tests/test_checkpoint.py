@@ -142,3 +142,63 @@ def test_no_weights_and_broken_index(checkpoint, tmp_path):
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "shard-1.safetensors"}}))
     with pytest.raises(CheckpointError, match=r"shard files that do not exist: \['shard-1.safetensors'\]"):
         load_model(path)
+
+
+def test_bf16_weights_are_the_fp32_weights_rounded_once(checkpoint):
+    fp32, _ = load_model(checkpoint("tiny"))
+    bf16, _ = load_model(checkpoint("tiny"), dtype=torch.bfloat16)
+    want = dict(fp32.named_parameters())
+    for name, p in bf16.named_parameters():
+        assert torch.equal(p, want[name].to(p.dtype)), name  # fp32-kept tensors exactly, the rest rounded once
+
+
+def test_non_finite_weights_are_refused_by_name_unless_allowed(checkpoint, tmp_path):
+    path = copy_checkpoint(checkpoint("tiny"), tmp_path / "ck")
+
+    def poison(tensors):
+        tensors["model.layers.1.mlp.experts.down_proj"][2, 0, 0] = float("nan")
+        tensors["model.norm.weight"][3] = float("inf")
+
+    rewrite_tensors(path, poison)
+    with pytest.raises(CheckpointError, match=r"non-finite values \(NaN or inf\) in .*model.layers.1.mlp.experts."
+                                              r"down_proj.*check_finite=False"):
+        load_model(path)
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        load_model(path)
+    model, _ = load_model(path, check_finite=False)
+    assert model.model.norm.weight[3].isinf()
+
+
+def test_a_corrupt_tokenizer_is_named(checkpoint, tmp_path):
+    from inkling_compiled.engine import Engine
+
+    path = copy_checkpoint(checkpoint("tiny"), tmp_path / "ck")
+    (path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="tokenizer.json cannot be read as a tokenizer"):
+        Engine.from_pretrained(path, compile=False)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(num_pages=0), "num_pages must be an integer >= 2, got 0"),
+    (dict(num_pages=1), "num_pages must be an integer >= 2, got 1"),
+    (dict(max_prefill_tokens=0), "max_prefill_tokens must be an integer >= 1, got 0"),
+    (dict(max_batch_size=0), "max_batch_size must be an integer >= 1, got 0"),
+    (dict(page_size=0), "page_size must be an integer >= 1"),
+    (dict(dtype="garbage"), "unsupported dtype 'garbage'"),
+    (dict(device="gpu"), "unknown device 'gpu'"),
+])
+def test_engine_options_out_of_range_are_named(kwargs, needle, checkpoint):
+    from inkling_compiled.engine import Engine
+    from inkling_compiled.errors import OptionError
+
+    with pytest.raises(OptionError, match=needle):
+        Engine.from_pretrained(checkpoint("tiny"), compile=False, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_named(checkpoint):
+    from inkling_compiled.engine import Engine
+    from inkling_compiled.errors import OptionError
+
+    with pytest.raises(OptionError, match="'cuda' asked for, but this torch sees no CUDA device"):
+        Engine.from_pretrained(checkpoint("tiny"), device="cuda", compile=False)

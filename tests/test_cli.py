@@ -1,6 +1,10 @@
 """The command line, run in-process."""
 
+import importlib.util
 import json
+
+import pytest
+import torch
 
 from inkling_compiled.cli import DEMO_PROMPTS, main
 
@@ -31,4 +35,65 @@ def test_bench_writes_json_with_ratios(tmp_path, capsys):
     assert all(r["eager"]["tok_s"] > 0 and r["transformers"]["tok_s"] > 0 for r in runs)
     printed = capsys.readouterr().out
     assert "eager / transformers" in printed
-    assert png.is_file() or "matplotlib is not installed" in printed
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.is_file() and png.stat().st_size > 0
+    else:
+        assert not png.exists() and "no PNG: matplotlib is not installed" in printed
+
+
+def one_error_line(err: str, needle: str) -> None:
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], err
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--dtype", "garbage"], "--dtype: invalid choice: 'garbage'"),
+    (["--threads", "0"], "--threads: '0' must be at least 1"),
+    (["--max-batch-size", "0"], "--max-batch-size: '0' must be at least 1"),
+    (["--max-new-tokens", "x"], "--max-new-tokens: 'x' is not an integer"),
+])
+def test_bad_options_are_one_error_line_and_exit_2(extra, needle, checkpoint, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(checkpoint("tiny")), "--prompt", "hi", *extra])
+    assert e.value.code == 2
+    one_error_line(capsys.readouterr().err, needle)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--prompt", "1,,2", "--token-ids"], "bad part: ''"),
+    (["--prompt", "hi", "--top-p", "2"], "top_p must be in (0, 1]"),
+    (["--prompt", "hi", "--seed", "-1"], "seed must be None or an integer in 0..2**64-1"),
+] + ([(["--prompt", "hi", "--device", "cuda"], "sees no CUDA device")] if not torch.cuda.is_available() else []))
+def test_bad_requests_and_devices_are_one_error_line_and_exit_2(extra, needle, checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint("tiny")), "--no-compile", "--quiet", *extra]) == 2
+    one_error_line(capsys.readouterr().err, needle)
+
+
+def test_generated_text_reaches_the_terminal_escaped():
+    from inkling_compiled.cli import printable
+
+    assert printable("ok\x1b[31m red\x07\nnext\tcol") == "ok\\x1b[31m red\\x07\nnext\tcol"
+
+
+def test_every_option_has_help_and_shows_its_default(capsys):
+    from inkling_compiled.cli import build_parser
+
+    parser = build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices
+    for name, sub in subcommands.items():
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help, f"{name} {action.option_strings} has no help"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default: 16)" in help_text and "(default: inductor)" in help_text
+
+
+def test_dump_graphs_keeps_dynamo_logs_in_its_files(checkpoint, tmp_path, capfd):
+    assert main(["dump-graphs", "--model", str(checkpoint("tiny")), "--out", str(tmp_path), "--buckets", "1",
+                 "--backend", "eager"]) == 0
+    out, err = capfd.readouterr()
+    assert "GUARDS" not in err and len(err.splitlines()) < 5, err[:500]
+    assert "| bucket |" in out
+    assert "GUARDS" in (tmp_path / "bucket-1" / "guards.txt").read_text()

@@ -77,3 +77,24 @@ def test_missing_and_malformed_config_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         InklingConfig.from_file(tmp_path)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("log_scaling_n_floor", "x", "log_scaling_n_floor must be a positive integer or null, got 'x'"),
+    ("rms_norm_eps", "x", "rms_norm_eps must be a finite number > 0, got 'x'"),
+    ("route_scale", None, "route_scale must be a finite number, got None"),
+    ("eos_token_id", "two", "eos_token_id must be a token id or null, got 'two'"),
+    ("eos_token_id", 9999, "eos_token_id=9999 is outside the vocabulary"),
+    ("num_hidden_layers", "4", "num_hidden_layers must be a positive integer, got '4'"),
+    ("hidden_size", 64.0, "hidden_size must be a positive integer, got 64.0"),
+    ("log_scaling_alpha", float("nan"), "log_scaling_alpha must be a finite number"),
+    ("layer_types", "hybrid", "layer_types must be a list"),
+    ("dense_mlp_idx", "1", "dense_mlp_idx must be an integer"),
+    ("local_layer_ids", 3, "local_layer_ids must be a list of integers"),
+])
+def test_every_field_is_typed_and_named_in_the_error(field, value, needle):
+    raw = {**TINY_CONFIGS["tiny"], field: value}
+    if field in ("dense_mlp_idx", "local_layer_ids"):
+        raw.pop("layer_types"), raw.pop("mlp_layer_types")
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        text(**raw)
