@@ -50,43 +50,40 @@ class _PostGradRecorder:
         return None  # no caching: the pass must see every compile
 
 
-def pool_sizes(state_tensors: list[torch.Tensor]) -> set[int]:
-    """Element counts of every pool/cache tensor and of each per-layer slice of one."""
-    return {t.numel() for t in state_tensors} | {t[0].numel() for t in state_tensors if t.shape[0]}
+def pool_shapes(state_tensors: list[torch.Tensor]) -> set[tuple[int, ...]]:
+    """Shapes of every pool/cache tensor and of a per-layer slice of one: what a copy of them would have.
+    Shapes, not element counts: an unrelated buffer can match a count by chance (a bucket-1 activation
+    of 128 elements against a 128-element ring slice, say)."""
+    return {tuple(t.shape) for t in state_tensors} | {tuple(t.shape[1:]) for t in state_tensors if t.shape[0]}
 
 
-def pool_copies_in_code(code: str, pool_sizes: set[int]) -> list[str]:
-    """Pool- or cache-sized buffers allocated, and any clone/copy_, in inductor code's call()."""
+def _dims(text: str) -> tuple[int, ...] | None:
+    parts = [x for x in text.replace(" ", "").rstrip(",").split(",") if x]
+    return tuple(int(x) for x in parts) if all(x.isdigit() for x in parts) else None
+
+
+def pool_copies_in_code(code: str, pool_shapes: set[tuple[int, ...]]) -> list[str]:
+    """Pool- or cache-shaped buffers allocated, and any clone/copy_, in inductor code's call()."""
     body = code[code.find("def call("):] if "def call(" in code else code
-    found = []
-    for dims in re.findall(r"empty_strided_\w+\(\((.*?)\)", body):
-        numel = 1
-        for d in (int(x) for x in dims.replace(" ", "").rstrip(",").split(",") if x.isdigit()):
-            numel *= d
-        if numel in pool_sizes:
-            found.append(f"empty_strided(({dims}))")
+    found = [f"empty_strided(({dims}))" for dims in re.findall(r"empty_strided_\w+\(\((.*?)\)", body)
+             if _dims(dims) in pool_shapes]
     found += [m.group(0) for m in re.finditer(r"\.clone\(|aten\.copy_|\.copy_\(", body)]
     return found
 
 
 _ANNOTATED = re.compile(r'"\w+\[([\d, ]*)\]')
-
-
 _FUNCTIONALIZED_BASE = re.compile(r"= auto_functionalized\w*\[([1-9]\d*)\]")
 
 
-def pool_copies_in_graph(gm_text: str, pool_sizes: set[int]) -> list[str]:
-    """Nodes of a readable FX graph (shape-annotated) that copy a pool-sized tensor: copy_/clone, and
+def pool_copies_in_graph(gm_text: str, pool_shapes: set[tuple[int, ...]]) -> list[str]:
+    """Nodes of a readable FX graph (shape-annotated) that copy a pool-shaped tensor: copy_/clone, and
     the mutated bases an un-reinplaced auto_functionalized op returns (it clones them to run)."""
     found = []
     for line in gm_text.splitlines():
         if "aten.copy_" not in line and "aten.clone" not in line and not _FUNCTIONALIZED_BASE.search(line):
             continue
         m = _ANNOTATED.search(line)
-        numel = 1
-        for d in (int(x) for x in m.group(1).split(",") if x.strip()) if m else ():
-            numel *= d
-        if m and numel in pool_sizes:
+        if m and _dims(m.group(1)) in pool_shapes:
             found.append(line.strip()[:160])
     return found
 
@@ -140,7 +137,7 @@ class GraphDump:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         post_grad = _PostGradRecorder()
-        sizes = pool_sizes(state_tensors)
+        shapes = pool_shapes(state_tensors)
         guard_log = io.StringIO()
         handler = logging.StreamHandler(guard_log)
         logger = logging.getLogger(_GUARD_LOGGER)
@@ -175,9 +172,9 @@ class GraphDump:
                     self.aot_graphs[-1] if backend == "aot_eager" and self.aot_graphs else "")
                 copies = []
                 for code in codes:
-                    copies += pool_copies_in_code(code, sizes)
+                    copies += pool_copies_in_code(code, shapes)
                 if backend == "aot_eager":
-                    copies += pool_copies_in_graph(post_text, sizes)
+                    copies += pool_copies_in_graph(post_text, shapes)
                 inputs = static_inputs(gm, recorder.addresses[first_graph])
                 c["ops"] = {**c["ops"], **aten_counts(post_text)}
                 record = {

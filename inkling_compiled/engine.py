@@ -189,12 +189,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Advances every unfinished request by one token; returns the cumulative outputs of the requests
         that advanced or finished (and of any that `generate` stepped past for this caller)."""
-        with self._lock, nvtx_range("step"):
+        with self._lock:
             latest, self._undelivered = self._undelivered, {}
             latest.update((o.request_id, o) for o in self._step())  # cumulative: the newest one says it all
             return list(latest.values())
 
     def _step(self) -> list[RequestOutput]:
+        with nvtx_range("step"):
+            return self._advance()
+
+    def _advance(self) -> list[RequestOutput]:
         advanced: list[Request] = self._aborted
         self._aborted = []
         decoding = list(self.running)

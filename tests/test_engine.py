@@ -92,7 +92,7 @@ def test_streaming_outputs_are_cumulative(checkpoint):
     assert all(seen[i] == seen[-1][: i + 1] for i in range(4))
 
 
-def test_stop_tokens_and_eos_finish_with_stop(checkpoint):
+def test_stop_tokens_finish_with_stop(checkpoint):
     engine = engine_for(checkpoint, "tiny")
     prompt = random_prompt(9, seed=5)
     free_run = engine.generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True))[0].token_ids
@@ -101,11 +101,38 @@ def test_stop_tokens_and_eos_finish_with_stop(checkpoint):
     assert out.finish_reason == "stop" and out.token_ids == free_run[: free_run.index(stop_at) + 1]
 
 
+def test_eos_finishes_with_stop_unless_ignored(checkpoint, tmp_path):
+    """A checkpoint whose eos is a token the greedy run really produces: generation stops there."""
+    from inkling_compiled.tiny import build_tiny_checkpoint
+
+    prompt = random_prompt(9, seed=5)
+    free_run = engine_for(checkpoint, "tiny").generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+    eos = free_run.token_ids[4]
+    path = build_tiny_checkpoint(tmp_path / "eos", "tiny", overrides={"eos_token_id": eos})
+    engine = Engine.from_pretrained(path, compile=False)
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=10))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free_run.token_ids[: free_run.token_ids.index(eos) + 1]
+    ignored = engine.generate([prompt], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+    assert ignored.finish_reason == "length" and ignored.token_ids == free_run.token_ids
+
+
+def byte_level_text(ids):
+    """The tiny tokenizer's decode, written independently: ids 3..258 are bytes, the rest are skipped;
+    runs of undecodable bytes become one U+FFFD each side, so compare with runs collapsed."""
+    import re
+
+    text = bytes(t - 3 for t in ids if 3 <= t < 259).decode("utf-8", errors="replace")
+    return re.sub("\ufffd+", "\ufffd", text)
+
+
 def test_text_in_text_out(checkpoint):
+    import re
+
     engine = engine_for(checkpoint, "tiny")
-    out = engine.generate("hello", SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    out = engine.generate("hello", SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
     assert out.prompt_token_ids == [b + 3 for b in b"hello"]
-    assert out.text == engine.tokenizer.decode(out.token_ids)
+    assert re.sub("\ufffd+", "\ufffd", out.text) == byte_level_text(out.token_ids)
+    assert engine.tokenizer.decode([3 + b for b in "héllo, ✓".encode()]) == "héllo, ✓"
 
 
 def test_top_logprobs(checkpoint):

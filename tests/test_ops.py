@@ -12,7 +12,6 @@ from inkling_compiled.custom_ops.library import NATIVE_CPU_OPS
 from inkling_compiled.custom_ops.attention import paged_attention_reference
 from inkling_compiled.custom_ops.kv import kv_write_reference
 from inkling_compiled.custom_ops.moe import moe_experts_reference
-from inkling_compiled.custom_ops.reference import packed_causal_conv
 from inkling_compiled.custom_ops.sconv import sconv_decode_reference, sconv_extend_reference
 
 # Each kernel test runs on the dispatched op (the C++ kernel on CPU when it built) and on the
@@ -111,14 +110,15 @@ def test_sconv_extend_is_bit_identical_to_reference(K, impl):
     assert torch.equal(pool[2, [0, 3, 7]], before[2, [0, 3, 7]])
 
 
-def test_extend_from_scratch_equals_full_sequence_reference():
+def test_extend_from_scratch_equals_a_plain_loop_per_sequence():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(11, 8, generator=g), torch.randn(8, 4, generator=g)
-    seq_start = torch.tensor([0] * 6 + [6] * 5)
     state = torch.zeros(3, 3, 8)
     y = sconv_extend(x, state, w, torch.tensor([0, 6, 11], dtype=torch.int32), torch.tensor([False, False]),
                      torch.tensor([1, 2], dtype=torch.int32))
-    assert torch.equal(y, packed_causal_conv(x, w, seq_start))
+    for start, end in ((0, 6), (6, 11)):
+        want, _ = conv_one_sequence(torch.zeros(3, 8), x[start:end], w)
+        assert torch.equal(y[start:end], want)
 
 
 def test_decode_after_extend_continues_the_sequence():
@@ -306,3 +306,27 @@ def test_cuda_kernels_never_look_at_their_data(op, args):
             with pytest.raises(Exception):
                 kernels["reference"](*tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
                                                args))
+
+
+@pytest.mark.parametrize("kernel", ["op", "reference"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_moe_reads_only_the_chosen_experts(kernel, rows):
+    """At batch B with top-k the kernel touches min(E, B*k) expert banks and no other: the unchosen
+    ones are NaN here, and a kernel that read them (even times a zero weight) would return NaN."""
+    moe = {"op": torch.ops.inkling.moe_experts.default, "reference": KERNELS["moe_experts"]["reference"]}[kernel]
+    g = torch.Generator().manual_seed(rows)
+    E, k, H, I = 8, 2, 16, 12
+    x = torch.randn(rows, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows)])
+    w = torch.rand(rows, k, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    want = moe(x, ids, w, gate_up, down)
+    chosen = set(ids.flatten().tolist())
+    assert len(chosen) <= min(E, rows * k)
+    unchosen = [e for e in range(E) if e not in chosen]
+    gate_up[unchosen], down[unchosen] = float("nan"), float("nan")
+    got = moe(x, ids, w, gate_up, down)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    # and the chosen ones are really read: poisoning one of them shows up
+    gate_up[ids[0, 0]] = float("nan")
+    assert torch.isnan(moe(x, ids, w, gate_up, down)[0]).all()

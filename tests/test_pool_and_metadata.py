@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from inkling_compiled.cache import StatePool
 from inkling_compiled.config import InklingConfig
@@ -93,11 +94,7 @@ def test_thousand_random_events_leak_nothing(checkpoint):
             live.append(engine.add_request(random_prompt(rng.randint(1, 30), seed=event),
                                            SamplingParams(max_new_tokens=rng.randint(1, 6), ignore_eos=True)))
         elif kind < 0.55 and live:
-            rid = live.pop(rng.randrange(len(live)))
-            try:
-                engine.abort(rid)
-            except Exception:  # it finished already
-                pass
+            engine.abort(live.pop(rng.randrange(len(live))))  # live: no finished output seen yet
         else:
             for out in engine.step():
                 if out.finished and out.request_id in live:
@@ -112,36 +109,41 @@ def test_thousand_random_events_leak_nothing(checkpoint):
     assert engine.pool.block_table.abs().sum() == 0
 
 
-class RecordingContext:
-    """Forwards to the pool context, noting which metadata object each conv call reads."""
+class ConvCallRecorder(TorchDispatchMode):
+    """Records what every sconv op call actually receives: its cache_indices object and values, and the
+    address of the state slice it mutates."""
 
-    def __init__(self, context):
-        self.context, self.seen = context, []
+    def __init__(self):
+        super().__init__()
+        self.calls = []
 
-    def short_conv(self, *args):
-        self.seen.append(self.context.conv_state_metadata())
-        return self.context.short_conv(*args)
-
-    def enter_layer(self, layer_id):
-        self.context.enter_layer(layer_id)
-
-    def attention(self, *args):
-        return self.context.attention(*args)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.inkling.sconv_decode.default:
+            x, state, weight, cache_indices, layer, stream = args
+            self.calls.append((id(cache_indices), cache_indices.tolist(), state.data_ptr(), layer, stream))
+        return func(*args, **(kwargs or {}))
 
 
-def test_every_conv_of_a_step_reads_the_one_metadata_object(checkpoint):
+def test_every_conv_of_a_step_reads_the_one_metadata_object_and_its_own_pool_slice(checkpoint):
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4)
-    backend, model = engine.backend, engine.model
+    backend, model, pool = engine.backend, engine.model, engine.pool
     engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=1))  # warm the pool with real requests
     buffers = {name: t.data_ptr() for name, t in backend.buffers.tensors.items()}
     objects = set()
-    for step, lens in enumerate(([3, 7], [4, 8], [5, 9])):
-        md = backend.prepare_decode([11, 12], [1, 2], lens, [GREEDY_PAD] * 2)
-        ctx = RecordingContext(backend.context)
-        with torch.inference_mode():
-            model.hidden_states(md.input_ids, ctx)
-        assert len(ctx.seen) == 4 * engine.config.num_hidden_layers
-        assert len({id(m) for m in ctx.seen}) == 1 and ctx.seen[0] is md
+    for step, (slots, lens) in enumerate((([1, 2], [3, 7]), ([2, 1], [4, 8]), ([1, 2], [5, 9]))):
+        md = backend.prepare_decode([11, 12], slots, lens, [GREEDY_PAD] * 2)
+        with torch.inference_mode(), ConvCallRecorder() as recorder:
+            model.hidden_states(md.input_ids, backend.context)
+        layers = engine.config.num_hidden_layers
+        assert len(recorder.calls) == 4 * layers
+        assert {c[0] for c in recorder.calls} == {id(md.cache_indices)}  # one object, read by every conv
+        assert all(c[1] == slots for c in recorder.calls)  # holding this step's slots
+        want = {}
+        for layer in range(layers):
+            for stream in MODEL_STREAMS:
+                name, index = pool.streams.locate(layer, stream)
+                want[(layer, stream)] = pool.conv[name][index].data_ptr()
+        assert {(c[3], c[4]): c[2] for c in recorder.calls} == want  # each conv its own (layer, stream) slice
         objects.add(id(md))
         for name in buffers:  # every tensor field is a view of its static buffer
             assert getattr(md, name).data_ptr() == buffers[name]

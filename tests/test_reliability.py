@@ -231,3 +231,72 @@ def test_bf16_on_cpu_serves_and_stays_near_fp32(checkpoint):
     ref = fp32.generate([prompt], GREEDY)[0]
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
     assert all(abs(a - b) < 0.5 for a, b in zip(out.logprobs, ref.logprobs))  # bf16 drift, not garbage
+
+
+# ---- everything at once ---------------------------------------------------------------------------------
+
+def random_params(rng, vocab_hint: int) -> SamplingParams:
+    kind = rng.random()
+    stop = tuple(rng.sample(range(3, vocab_hint), 30)) if rng.random() < 0.3 else ()  # likely to be hit
+    common = dict(max_new_tokens=rng.randint(1, 8), stop_token_ids=stop, ignore_eos=rng.random() < 0.7,
+                  logprobs=True)
+    if kind < 0.4:
+        return SamplingParams(**common)
+    return SamplingParams(temperature=rng.choice([0.6, 1.0, 1.4]), top_k=rng.choice([0, 5, 50]),
+                          top_p=rng.choice([1.0, 0.9, 0.5]), seed=rng.getrandbits(64), **common)
+
+
+def test_a_random_schedule_serves_every_request_as_if_it_were_alone(checkpoint):
+    """A few hundred events with a fixed seed: arrivals, aborts, stop tokens, eos, batch sizes crossing
+    the buckets (1, 2, 4), greedy and seeded sampling, and faults injected into some steps. Every request
+    finishes exactly once; those that were not aborted or failed give their solo run's tokens; nothing
+    leaks."""
+    import random
+
+    engine = make_engine(checkpoint, True, max_model_len=40, page_size=4)
+    rng = random.Random(2026)
+    requests, live, finished, faulted = {}, [], {}, 0
+    for event in range(300):
+        roll = rng.random()
+        if roll < 0.35:
+            prompt = clean_prompt(rng.randint(1, 20), seed=event)
+            params = random_params(rng, 260)
+            rid = engine.add_request(prompt, params)
+            requests[rid] = (prompt, params)
+            live.append(rid)
+        elif roll < 0.43 and live:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        else:
+            fault = FaultyKernel("sconv_decode", fail_at=rng.randint(1, 16)) if rng.random() < 0.04 else None
+            try:
+                outs = engine.step()
+            finally:
+                if fault is not None:
+                    faulted += fault.calls >= fault.fail_at
+                    fault.remove()
+            for out in outs:
+                if out.finished:
+                    assert out.request_id not in finished, "finished twice"
+                    finished[out.request_id] = out
+                    if out.request_id in live:
+                        live.remove(out.request_id)
+        assert engine.pool.slots.num_free == engine.pool.slots.capacity - len(engine.running)
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(finished) == sorted(requests)
+    reasons = [o.finish_reason for o in finished.values()]
+    assert faulted >= 1 and reasons.count("error") >= 1 and reasons.count("abort") >= 1
+    assert reasons.count("stop") >= 1 and reasons.count("length") >= 1
+    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.pool.pages.num_free == engine.pool.pages.capacity
+    assert not engine.pool.slot_of and engine.pool.block_table.abs().sum() == 0
+    compared = 0
+    for rid, out in finished.items():
+        if out.finish_reason in ("abort", "error"):
+            continue
+        prompt, params = requests[rid]
+        alone = engine.generate([prompt], params)[0]
+        assert (out.token_ids, out.finish_reason) == (alone.token_ids, alone.finish_reason), rid
+        assert all(abs(a - b) < 1e-4 for a, b in zip(out.logprobs, alone.logprobs))
+        compared += 1
+    assert compared >= 40

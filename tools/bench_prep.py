@@ -4,14 +4,17 @@
 
 "singleton": `prepare_decode` fills the static buffers once per step and every conv reads the one
 StepMetadata. "naive": the pattern SGLang's Inkling backend removed: every conv read builds its own
-metadata object from fresh tensors (4 convs x layers objects per step). Prints time per step and
-tensor allocations per step (ops that return new storage, counted with a dispatch mode).
+metadata object from fresh tensors (4 convs x layers objects per step). Prints time per step,
+tensor allocations per step (ops that return new storage, counted with a dispatch mode) and the peak
+of host memory a step allocates beyond what it started with (tracemalloc: numpy temporaries and
+Python lists, which the tensor count cannot see).
 """
 
 import argparse
 import sys
 import tempfile
 import time
+import tracemalloc
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -52,7 +55,21 @@ def naive_metadata(rows: list[int], slots: list[int], positions: list[int]) -> S
         seed=torch.zeros(n, dtype=torch.int64), sample_counter=torch.zeros(n, dtype=torch.int64))
 
 
-def measure(fn, steps: int) -> tuple[float, float]:
+def host_peak_bytes(fn) -> int:
+    """Bytes of host memory allocated at the busiest point of one call, above what was live before it."""
+    tracemalloc.start()
+    try:
+        fn()  # first traced call: lazily created caches are not what a step costs
+        tracemalloc.reset_peak()
+        start, _ = tracemalloc.get_traced_memory()
+        fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak - start
+
+
+def measure(fn, steps: int) -> tuple[float, int, int]:
     fn()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -60,7 +77,7 @@ def measure(fn, steps: int) -> tuple[float, float]:
     per_step_us = (time.perf_counter() - t0) / steps * 1e6
     with AllocationCounter() as counter:
         fn()
-    return per_step_us, counter.count
+    return per_step_us, counter.count, host_peak_bytes(fn)
 
 
 def main(argv=None) -> int:
@@ -91,11 +108,13 @@ def main(argv=None) -> int:
         for _ in range(reads):
             naive_metadata(ids, slots, positions)
 
-    one_us, one_allocs = measure(singleton, args.steps)
-    naive_us, naive_allocs = measure(naive, args.steps)
+    one_us, one_allocs, one_host = measure(singleton, args.steps)
+    naive_us, naive_allocs, naive_host = measure(naive, args.steps)
     print(f"config={args.config} layers={layers} batch={args.batch} conv reads/step={reads}")
-    print(f"singleton (in place, one object): {one_us:8.1f} us/step, {one_allocs:4d} tensor allocations/step")
-    print(f"naive (object per conv read):     {naive_us:8.1f} us/step, {naive_allocs:4d} tensor allocations/step")
+    print(f"singleton (in place, one object): {one_us:8.1f} us/step, {one_allocs:4d} tensor allocations/step, "
+          f"{one_host:7d} B host peak/step")
+    print(f"naive (object per conv read):     {naive_us:8.1f} us/step, {naive_allocs:4d} tensor allocations/step, "
+          f"{naive_host:7d} B host peak/step")
     print(f"naive / singleton: {naive_us / one_us:.1f}x time")
     return 0
 
