@@ -19,14 +19,19 @@ from .library import define
 
 def _attend_pages(q, k_cache, v_cache, table, tau, block_table, cache_indices, seq_lens, page_size: int,
                   rel_extent: int, pages: int) -> torch.Tensor:
-    """Each row's query over the first `pages` pages of its block-table row, keys past seq_len masked."""
+    """Each row's query over the first `pages` pages of its block-table row, keys past seq_len masked.
+
+    What lies past a row's length (another request's old keys on a reused page, the dummy page behind
+    unused table entries) is selected away from the values, not just given probability 0: 0 * NaN is NaN."""
     B = q.shape[0]
     k_pos = torch.arange(pages * page_size, device=q.device).expand(B, -1)  # [B, pages*page_size]
     loc = page_location(block_table, cache_indices.long()[:, None], k_pos, page_size).long()
     lens = seq_lens.long()
-    out = attend(q[:, None], k_cache[loc], v_cache[loc], table[:, None], q_pos=(lens - 1)[:, None], k_pos=k_pos,
-                 key_mask=(k_pos < lens[:, None])[:, None, :], tau=None if tau is None else tau[:, None],
-                 window=0, rel_extent=rel_extent)
+    own = k_pos < lens[:, None]  # [B, keys]
+    v = v_cache[loc].masked_fill(~own[:, :, None, None], 0.0)
+    out = attend(q[:, None], k_cache[loc], v, table[:, None], q_pos=(lens - 1)[:, None], k_pos=k_pos,
+                 key_mask=own[:, None, :], tau=None if tau is None else tau[:, None], window=0,
+                 rel_extent=rel_extent)
     return out[:, 0]
 
 

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from inkling_compiled.checks import is_int
 from inkling_compiled.errors import CompileError, OptionError
 from inkling_compiled.paths import default_cache_dir
 
@@ -35,8 +36,7 @@ def choose_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | N
         chosen = {b for b in DEFAULT_BUCKETS if b <= max_batch_size} | {max_batch_size}
     else:
         chosen = set(buckets)
-        if not chosen or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= max_batch_size
-                             for b in chosen):
+        if not chosen or any(not is_int(b) or not 1 <= b <= max_batch_size for b in chosen):
             raise OptionError(f"buckets must be integers in 1..max_batch_size={max_batch_size}, got {buckets!r}")
     return tuple(sorted(chosen))
 

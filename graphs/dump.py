@@ -51,10 +51,11 @@ class _PostGradRecorder:
 
 
 def pool_shapes(state_tensors: list[torch.Tensor]) -> set[tuple[int, ...]]:
-    """Shapes of every pool/cache tensor and of a per-layer slice of one: what a copy of them would have.
-    Shapes, not element counts: an unrelated buffer can match a count by chance (a bucket-1 activation
-    of 128 elements against a 128-element ring slice, say)."""
-    return {tuple(t.shape) for t in state_tensors} | {tuple(t.shape[1:]) for t in state_tensors if t.shape[0]}
+    """Shapes of every pool/cache tensor and of a per-layer slice of one, and the same flattened: what a
+    copy of them would have. Shapes, not bare element counts: an unrelated activation can match a count
+    by chance (a bucket-1 `[2, 1, 64]` against a 128-element ring slice, say)."""
+    slices = [t for t in state_tensors] + [t[0] for t in state_tensors if t.shape[0]]
+    return {tuple(t.shape) for t in slices} | {(t.numel(),) for t in slices}
 
 
 def _dims(text: str) -> tuple[int, ...] | None:

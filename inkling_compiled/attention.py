@@ -38,11 +38,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
         q = (q.float() * tau).to(q.dtype)
         bias = (bias.float() * tau).to(bias.dtype)
 
-    # A hidden key must not enter the arithmetic: its probability is exactly 0, but 0 * NaN is NaN, so
-    # one non-finite value in another request's (or a freed slot's) cache would poison this output.
-    # Values no query of the group may see are selected away; within a group every query sees the
-    # same keys up to causality (decode: one query; prefill: one sequence per group).
-    v = v.masked_fill(~visible.any(dim=1)[:, :, None, None], 0.0)
+    # Hidden keys get probability exactly 0, but 0 * NaN is NaN: callers hand in only values that are
+    # this request's own or known finite (prefill attends one sequence per group; a slot's ring is
+    # cleared when the slot is handed out; paged attention selects away what lies past a row's length).
     group = nh // nkv
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)

@@ -23,7 +23,6 @@ class StepBackend:
                                    max_batch_size=max_batch_size, max_tokens=max_tokens, device=device)
         self.metadata = self.buffers.metadata
         self.context = PoolContext(pool, config, self.metadata)
-        self.device = self.buffers.device
         self.prepare_decode = self.buffers.prepare_decode
         self.prepare_prefill = self.buffers.prepare_prefill
         self.prepare_padding = self.buffers.prepare_padding

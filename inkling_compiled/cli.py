@@ -128,12 +128,18 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _dump_graphs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
     from .dump_graphs import dump_graphs
     from .graphs.dump import diff_dumps
 
     if args.diff:
+        missing = [d for d in args.diff if not (Path(d) / "summary.json").is_file()]
+        if missing:
+            print(f"error: dump-graphs --diff: {missing[0]} is not a graph dump (no summary.json)", file=sys.stderr)
+            return 2
         changes = diff_dumps(*args.diff)
         print("\n".join(changes) if changes else f"no differences between {args.diff[0]} and {args.diff[1]}")
         return 0
@@ -143,8 +149,6 @@ def _dump_graphs(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     summary = dump_graphs(args.model, args.out, buckets=tuple(args.buckets) if args.buckets else None,
                           backend=args.backend, device=args.device)
-    from pathlib import Path
-
     print((Path(args.out) / "summary.md").read_text(), end="")
     print(f"wrote {args.out}/ ({len(summary['buckets'])} buckets)")
     return 0
@@ -195,11 +199,14 @@ def positive_int(text: str) -> int:
 
 def token_ids(text: str) -> list[int]:
     """'5,6,7' -> [5, 6, 7]; anything else is an argparse error naming the bad part."""
-    parts = text.split(",")
-    if not all(p.strip().lstrip("-").isdigit() for p in parts):
-        bad = next(p for p in parts if not p.strip().lstrip("-").isdigit())
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids (bad part: {bad!r})")
-    return [int(p) for p in parts]
+    ids = []
+    for part in text.split(","):
+        try:
+            ids.append(int(part, 10))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids (bad part: {part!r})") \
+                from None
+    return ids
 
 
 def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, buckets=None) -> None:

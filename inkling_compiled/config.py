@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 from pathlib import Path
 from typing import Any
 
+from .checks import is_finite as _is_finite
+from .checks import is_int as _is_int
 from .errors import ConfigError
 
 SLIDING = "hybrid_sliding"
@@ -30,14 +30,6 @@ _POSITIVE_INTS = (
     "rel_extent", "conv_kernel_size", "intermediate_size", "moe_intermediate_size", "n_routed_experts",
     "num_experts_per_tok", "n_shared_experts", "max_position_embeddings",
 )
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_finite(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 # Older or original names for the same fields (transformers' attribute_map).

@@ -25,10 +25,11 @@ import torch
 from .backend import StepBackend
 from .cache import StatePool
 from .config import InklingConfig
+from .checks import option_int
 from .errors import CompileError, OptionError, RequestError
 from .graphs import CompiledDecoder, choose_buckets
 from .kv_layout import pages_for
-from .loading import load_model
+from .loading import load_model, resolve_device
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
 from .requests import Request, RequestOutput, prompt_ids, prompt_list
@@ -42,12 +43,6 @@ log = logging.getLogger("inkling_compiled")
 __all__ = ["Engine", "RequestOutput"]
 
 
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise OptionError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 class Engine:
     def __init__(self, model: InklingForCausalLM, *, tokenizer: TextTokenizer | None = None, device="cpu",
                  compile: bool = True, max_batch_size: int = 32, max_model_len: int = 2048,
@@ -58,17 +53,21 @@ class Engine:
                  progress: bool = True):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        self.device = torch.device(device)
-        self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
-        self.max_model_len = _positive_int("max_model_len", max_model_len, 2)
-        page_size = _positive_int("page_size", page_size)
+        self.device = resolve_device(device)
+        self.max_batch_size = option_int("max_batch_size", max_batch_size)
+        self.max_model_len = option_int("max_model_len", max_model_len, 2)
+        page_size = option_int("page_size", page_size)
         self.max_prefill_tokens = max_model_len if max_prefill_tokens is None else \
-            _positive_int("max_prefill_tokens", max_prefill_tokens)
+            option_int("max_prefill_tokens", max_prefill_tokens)
+        option_int("seed", seed, 0)
+        buckets = choose_buckets(max_batch_size, buckets)  # checked whether or not they are compiled
         pages_per_seq = pages_for(max_model_len, page_size)
         if num_pages is None:
             num_pages = max_batch_size * pages_per_seq + 1  # every slot can hold a full-length request
-        # one page is the dummy, and at least one request of 2 tokens must fit
-        _positive_int("num_pages", num_pages, 2)
+        option_int("num_pages", num_pages, 2)  # one of them is the dummy
+        if pages_for(2, page_size) > num_pages - 1:  # not even a one-token prompt and one new token fit
+            raise OptionError(f"num_pages={num_pages} holds no request: a 2-token request needs "
+                              f"{pages_for(2, page_size)} pages of {page_size} beside the dummy")
         dtype = model.lm_head.weight.dtype
         self.pool = StatePool(config, max_slots=max_batch_size, num_pages=num_pages, page_size=page_size,
                               max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device,
@@ -78,7 +77,7 @@ class Engine:
         self.decoder = None
         if compile:
             self.decoder = CompiledDecoder(DecodeStep(model, self.backend), self.backend.prepare_padding,
-                                           device=self.device, buckets=choose_buckets(max_batch_size, buckets),
+                                           device=self.device, buckets=buckets,
                                            compile_backend=compile_backend, mode=compile_mode,
                                            cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper)
             self.runner = CompiledRunner(model, self.backend, self.decoder)
@@ -94,8 +93,9 @@ class Engine:
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._aborted: list[Request] = []
+        self._finished: list[Request] = []  # finished outside a forward (aborted, interrupted): output pending
         self._known: set[str] = set()  # ids of requests whose final output has not been returned yet
+        self._owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> the generate() call awaiting it
         self._undelivered: dict[str, RequestOutput] = {}  # outputs generate() stepped past, for step() to return
 
     @classmethod
@@ -157,6 +157,8 @@ class Engine:
     def abort(self, request_id: str | int) -> None:
         """Finishes a waiting or running request with finish_reason="abort"; its slot and pages are freed
         at once, and the next step() returns its final output."""
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise RequestError(f"a request id is a str or an int, got {type(request_id).__name__}")
         rid = str(request_id)
         with self._lock:
             req = next((r for r in self.waiting if r.request_id == rid), None)
@@ -168,7 +170,7 @@ class Engine:
                     raise RequestError(f"no unfinished request with id {rid!r}")
                 self._release(req)
             req.finish_reason = "abort"
-            self._aborted.append(req)
+            self._finished.append(req)
 
     def attach_layer_transfer_counter(self, counter) -> None:
         """Attach a HiCache-style counter (`wait_until(layer_id)`): every step then waits for a layer's
@@ -182,53 +184,68 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self.waiting or self.running or self._aborted or self._undelivered)
+            return bool(self.waiting or self.running or self._finished or self._undelivered)
 
     # ---- stepping ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Advances every unfinished request by one token; returns the cumulative outputs of the requests
-        that advanced or finished (and of any that `generate` stepped past for this caller)."""
+        that advanced or finished (and of any that `generate` stepped past for this caller). Outputs of
+        requests a `generate` call is waiting for go to that call instead."""
         with self._lock:
-            latest, self._undelivered = self._undelivered, {}
+            latest = dict(self._undelivered)
             latest.update((o.request_id, o) for o in self._step())  # cumulative: the newest one says it all
+            self._undelivered.clear()
+            self._known.difference_update(rid for rid, o in latest.items() if o.finished)
             return list(latest.values())
 
     def _step(self) -> list[RequestOutput]:
+        """One step; finished outputs a generate() call owns are handed to it, the rest returned."""
         with nvtx_range("step"):
-            return self._advance()
+            outputs = self._advance()
+        unowned = []
+        for out in outputs:
+            owner = self._owners.get(out.request_id)
+            if owner is None:
+                unowned.append(out)
+            elif out.finished:
+                owner[out.request_id] = out
+                del self._owners[out.request_id]
+                self._known.discard(out.request_id)
+        return unowned
 
     def _advance(self) -> list[RequestOutput]:
-        advanced: list[Request] = self._aborted
-        self._aborted = []
         decoding = list(self.running)
         if decoding:
             self._run_contained(decoding, self.runner.decode)
         admitted = self._admit()
         if admitted:
             self._run_contained(admitted, self.runner.prefill)
-        advanced += decoding + admitted
         for req in decoding + admitted:
             if req.finish_reason is not None and req in self.running:
                 self._release(req)
-        outputs = [self._output(r) for r in advanced]
-        self._known.difference_update(r.request_id for r in advanced if r.finish_reason is not None)
-        return outputs
+        advanced, self._finished = self._finished + decoding + admitted, []
+        return [self._output(r) for r in advanced]
 
     def _run_contained(self, reqs: list[Request], forward: Callable[[list[Request]], StepOutput]) -> None:
         """One forward for `reqs` and its tokens recorded; if anything raises, those requests fail (their
-        pool state may be half-written) and are freed, and the engine carries on."""
+        pool state may be half-written) and are freed, and the engine carries on. An interrupt
+        (KeyboardInterrupt, SystemExit) fails them the same way, then propagates; their outputs come
+        with the next step."""
         try:
             with self.torch_state.pinned():
                 out = forward(reqs)
             self._record(reqs, out)
-        except Exception as e:  # contained: the message reaches each request's output
-            log.exception("a step failed; failing its %d request(s)", len(reqs))
-            message = f"{type(e).__name__}: {e}"
+        except BaseException as e:
+            if isinstance(e, Exception):
+                log.exception("a step failed; failing its %d request(s)", len(reqs))
             for req in reqs:
-                req.fail(message)
+                req.fail(f"{type(e).__name__}: {e}")
                 if req in self.running:
                     self._release(req)
+            if not isinstance(e, Exception):
+                self._finished += reqs
+                raise
 
     def _admit(self) -> list[Request]:
         admitted, tokens = [], 0
@@ -292,15 +309,14 @@ class Engine:
                 checked.append((*self._checked(prompt, p), p))
             except RequestError as e:
                 raise RequestError(f"prompt {i}: {e}") from None
+        final: dict[str, RequestOutput] = {}
         with self._lock:
             rids = [self._queue(ids, p, budget, None) for ids, budget, p in checked]
-        final: dict[str, RequestOutput] = {}
-        wanted = set(rids)
-        while len(final) < len(rids):
-            with self._lock:
+            self._owners.update((rid, final) for rid in rids)
+        while True:
+            with self._lock:  # another thread's step() may finish ours: `final` is filled under the lock
+                if len(final) == len(rids):
+                    break
                 for out in self._step():
-                    if out.request_id not in wanted:
-                        self._undelivered[out.request_id] = out
-                    elif out.finished:
-                        final[out.request_id] = out
+                    self._undelivered[out.request_id] = out
         return [final[r] for r in rids]

@@ -54,7 +54,7 @@ class StepMetadata(msgspec.Struct):
     temperature: Annotated[torch.Tensor, PerRow(torch.float32)]
     top_k: Annotated[torch.Tensor, PerRow(torch.int64)]
     top_p: Annotated[torch.Tensor, PerRow(torch.float32)]
-    seed: Annotated[torch.Tensor, PerRow(torch.int64)]  # 32-bit values
+    seed: Annotated[torch.Tensor, PerRow(torch.int64)]  # 32-bit key mixed from the request's 64-bit seed
     sample_counter: Annotated[torch.Tensor, PerRow(torch.int64)]  # index of the token being generated
 
 

@@ -16,10 +16,7 @@ import torch
 
 from .errors import RequestError
 from .metadata import RowSampling
-from .sampling import SamplingParams, seed_bits
-
-FINISH_REASONS = ("length", "stop", "abort", "error")
-
+from .sampling import SamplingParams, seed_key
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -28,7 +25,7 @@ class RequestOutput:
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str | None  # one of FINISH_REASONS once finished
+    finish_reason: str | None  # "length" | "stop" | "abort" | "error" once finished
     text: str | None = None
     error: str | None = None  # why, when finish_reason == "error"
 
@@ -43,6 +40,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     seed: int  # 0..2**64-1
+    seed_key: int = dataclasses.field(init=False)  # what the step hashes with, mixed from all 64 bits
     stop_ids: frozenset[int]
     budget: int  # prompt + tokens it may generate, capped at max_model_len
     output: list[int] = dataclasses.field(default_factory=list)
@@ -51,6 +49,9 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
 
+    def __post_init__(self):
+        self.seed_key = seed_key(self.seed)
+
     @property
     def cached_len(self) -> int:
         """Tokens whose state is in the pool: the prompt and every generated token but the newest."""
@@ -58,7 +59,7 @@ class Request:
 
     def sampling_row(self) -> RowSampling:
         p = self.params
-        return RowSampling(float(p.temperature), int(p.top_k), float(p.top_p), seed_bits(self.seed), len(self.output))
+        return RowSampling(float(p.temperature), int(p.top_k), float(p.top_p), self.seed_key, len(self.output))
 
     def fail(self, message: str) -> None:
         self.finish_reason, self.error = "error", message

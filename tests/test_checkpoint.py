@@ -186,6 +186,9 @@ def test_a_corrupt_tokenizer_is_named(checkpoint, tmp_path):
     (dict(page_size=0), "page_size must be an integer >= 1"),
     (dict(dtype="garbage"), "unsupported dtype 'garbage'"),
     (dict(device="gpu"), "unknown device 'gpu'"),
+    (dict(buckets=(4,), max_batch_size=2), r"buckets must be integers in 1..max_batch_size=2"),
+    (dict(seed=[1]), "seed must be an integer >= 0"),
+    (dict(num_pages=2, page_size=1), "num_pages=2 holds no request"),
 ])
 def test_engine_options_out_of_range_are_named(kwargs, needle, checkpoint):
     from inkling_compiled.engine import Engine

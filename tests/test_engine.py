@@ -289,6 +289,20 @@ def test_request_ids_never_collide(checkpoint):
     assert engine.add_request([5], params, request_id="12345") == "12345"  # free once delivered
     with pytest.raises(RequestError, match="a request id must be a str or an int"):
         engine.add_request([5], params, request_id=1.5)
+    with pytest.raises(RequestError, match="a request id is a str or an int, got NoneType"):
+        engine.abort(None)
+
+
+def test_a_generate_finished_id_stays_taken_until_its_output_is_returned(checkpoint):
+    engine = engine_for(checkpoint, "tiny")
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    engine.add_request([5, 6], params, request_id="x")
+    engine.generate([[7, 8]], SamplingParams(max_new_tokens=4, ignore_eos=True))  # steps "x" to its end
+    with pytest.raises(RequestError, match="'x' is already in use"):
+        engine.add_request([5], params, request_id="x")
+    (out,) = engine.step()
+    assert (out.request_id, out.finish_reason, len(out.token_ids)) == ("x", "length", 2)
+    assert engine.add_request([5], params, request_id="x") == "x"
 
 
 def test_every_bit_of_the_seed_counts(checkpoint):
@@ -310,4 +324,7 @@ def test_kv_page_budget_and_prefill_bound_are_refused_with_their_names(checkpoin
         engine.add_request([5] * 8, SamplingParams(max_new_tokens=9))  # 17 tokens: 5 pages
     with pytest.raises(RequestError, match="exceeds max_prefill_tokens=10"):
         engine.add_request([5] * 11, SamplingParams(max_new_tokens=2))
-    assert engine.add_request([5] * 8, SamplingParams(max_new_tokens=8))  # 16 tokens: 4 pages fit
+    rid = engine.add_request([5] * 8, SamplingParams(max_new_tokens=8, ignore_eos=True))  # 16 tokens: 4 pages
+    while engine.has_unfinished():
+        (out,) = engine.step()
+    assert out.request_id == rid and len(out.token_ids) == 8 and out.finish_reason == "length"

@@ -85,17 +85,17 @@ def test_padded_rows_and_the_dummy_slot_and_page_never_reach_a_live_row(checkpoi
 class FaultyKernel:
     """Replaces an op's CPU kernel: delegates to the reference, raises on call number `fail_at` (mid-step)."""
 
-    def __init__(self, op: str, fail_at: int):
+    def __init__(self, op: str, fail_at: int, error: type[BaseException] = RuntimeError):
         from inkling_compiled.custom_ops import KERNELS
 
-        self.reference, self.fail_at, self.calls = KERNELS[op]["reference"], fail_at, 0
+        self.reference, self.fail_at, self.calls, self.error = KERNELS[op]["reference"], fail_at, 0, error
         self.lib = torch.library.Library("inkling", "IMPL")
         self.lib.impl(op, self, "CPU")
 
     def __call__(self, *args):
         self.calls += 1
         if self.calls == self.fail_at:
-            raise RuntimeError("injected fault")
+            raise self.error("injected fault")
         return self.reference(*args)
 
     def remove(self):
@@ -128,16 +128,35 @@ def test_a_fault_inside_an_op_fails_that_steps_requests_and_nothing_else(compile
     assert_same(outputs(engine, prompts), want)
 
 
-def test_a_request_that_cannot_be_represented_is_refused_up_front(checkpoint):
+def test_sampling_fields_the_step_cannot_represent_are_refused():
     from inkling_compiled.errors import RequestError
 
-    engine = make_engine(checkpoint, False)
     for bad in (dict(top_k=2**63), dict(top_k=2**31), dict(max_new_tokens=2**40), dict(temperature=1e39),
                 dict(top_p=1e-60), dict(seed=2**64), dict(seed=-1), dict(temperature=float("inf")),
                 dict(logprobs="yes"), dict(stop_token_ids="12")):
         with pytest.raises(RequestError, match="invalid sampling parameters: " + next(iter(bad))):
             SamplingParams(**bad)
-    assert not engine.has_unfinished()
+    SamplingParams(top_k=2**31 - 1, seed=2**64 - 1, max_new_tokens=2**31 - 1, top_p=1e-30)  # the edges pass
+
+
+def test_an_interrupt_mid_step_fails_that_steps_requests_then_propagates(checkpoint):
+    """Ctrl-C inside a forward: the half-stepped requests must not carry on with corrupt state."""
+    engine = make_engine(checkpoint, False)
+    prompts = [clean_prompt(n, seed=500 + n) for n in (6, 9)]
+    want = outputs(engine, prompts)
+    rids = [engine.add_request(p, GREEDY) for p in prompts]
+    engine.step()
+    fault = FaultyKernel("sconv_decode", fail_at=3, error=KeyboardInterrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    finally:
+        fault.remove()
+    outs = {o.request_id: o for o in engine.step()}  # the failed requests' final outputs come next
+    assert {rid: outs[rid].finish_reason for rid in rids} == {rid: "error" for rid in rids}
+    assert "KeyboardInterrupt" in outs[rids[0]].error
+    assert not engine.has_unfinished() and engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert_same(outputs(engine, prompts), want)
 
 
 # ---- several threads, one engine ---------------------------------------------------------------------
@@ -200,6 +219,45 @@ def test_generate_hands_other_requests_outputs_to_the_next_step(checkpoint):
     assert engine.has_unfinished()
     delivered = engine.step()
     assert [(o.request_id, o.finished, len(o.token_ids)) for o in delivered] == [(rid, True, 2)]
+    assert not engine.has_unfinished()
+
+
+def test_generate_beside_other_threads_generating_and_stepping(checkpoint):
+    """Each generate() gets its own outputs, whoever stepped them; a streaming stepper gets its own once."""
+    import threading
+
+    engine = make_engine(checkpoint, False)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    prompts = {name: clean_prompt(4 + i, seed=600 + i) for i, name in enumerate("abcd")}
+    want = {name: outputs(engine, [p], params)[0][0] for name, p in prompts.items()}
+    got, streamed, errors = {}, {}, []
+    streamer_rid = engine.add_request(prompts["d"], params)
+
+    def generating(name):
+        try:
+            got[name] = engine.generate([prompts[name]], params)[0].token_ids
+        except Exception as e:
+            errors.append(e)
+
+    def stepping():
+        try:
+            for _ in range(200):
+                for out in engine.step():
+                    assert out.request_id not in streamed, "a final output delivered twice"
+                    if out.finished:
+                        streamed[out.request_id] = out.token_ids
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=generating, args=(n,)) for n in "abc"] + [threading.Thread(target=stepping)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a generate() never returned"
+    assert not errors, errors
+    assert got == {n: want[n] for n in "abc"}
+    assert streamed == {streamer_rid: want["d"]}
     assert not engine.has_unfinished()
 
 

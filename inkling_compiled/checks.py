@@ -1,0 +1,25 @@
+"""Type checks shared by everything that validates user input (config, sampling parameters, options)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from .errors import OptionError
+
+
+def is_int(x) -> bool:
+    """An integer (numpy's included), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_finite(x) -> bool:
+    """A finite real number (ints included), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def option_int(name: str, value, minimum: int = 1) -> int:
+    """An engine option that must be an integer >= minimum, or an OptionError naming it."""
+    if not is_int(value) or value < minimum:
+        raise OptionError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
