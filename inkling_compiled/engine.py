@@ -43,6 +43,12 @@ log = logging.getLogger("inkling_compiled")
 __all__ = ["Engine", "RequestOutput"]
 
 
+def _request_id(request_id) -> str:
+    if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        raise RequestError(f"a request id must be a str or an int, got {type(request_id).__name__}")
+    return str(request_id)
+
+
 class Engine:
     def __init__(self, model: InklingForCausalLM, *, tokenizer: TextTokenizer | None = None, device="cpu",
                  compile: bool = True, max_batch_size: int = 32, max_model_len: int = 2048,
@@ -113,12 +119,11 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | int | None = None) -> str:
         """Queues a request; returns its id (a str: an int id is kept as its decimal string)."""
-        if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, (str, int))):
-            raise RequestError(f"a request id must be a str or an int, got {type(request_id).__name__}")
+        rid = None if request_id is None else _request_id(request_id)
         params = params if params is not None else SamplingParams()
         ids, budget = self._checked(prompt, params)
         with self._lock:
-            return self._queue(ids, params, budget, None if request_id is None else str(request_id))
+            return self._queue(ids, params, budget, rid)
 
     def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], int]:
         """The prompt's token ids and the request's token budget, or a RequestError naming the problem."""
@@ -157,9 +162,7 @@ class Engine:
     def abort(self, request_id: str | int) -> None:
         """Finishes a waiting or running request with finish_reason="abort"; its slot and pages are freed
         at once, and the next step() returns its final output."""
-        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-            raise RequestError(f"a request id is a str or an int, got {type(request_id).__name__}")
-        rid = str(request_id)
+        rid = _request_id(request_id)
         with self._lock:
             req = next((r for r in self.waiting if r.request_id == rid), None)
             if req is not None:

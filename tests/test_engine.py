@@ -289,7 +289,7 @@ def test_request_ids_never_collide(checkpoint):
     assert engine.add_request([5], params, request_id="12345") == "12345"  # free once delivered
     with pytest.raises(RequestError, match="a request id must be a str or an int"):
         engine.add_request([5], params, request_id=1.5)
-    with pytest.raises(RequestError, match="a request id is a str or an int, got NoneType"):
+    with pytest.raises(RequestError, match="a request id must be a str or an int, got NoneType"):
         engine.abort(None)
 
 
