@@ -28,6 +28,7 @@ from inkling_compiled.paths import default_cache_dir
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 BACKENDS = ("inductor", "eager", "aot_eager", "tensorrt")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def choose_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
@@ -35,7 +36,7 @@ def choose_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | N
     if buckets is None:
         chosen = {b for b in DEFAULT_BUCKETS if b <= max_batch_size} | {max_batch_size}
     else:
-        chosen = set(buckets)
+        chosen = set(buckets) if isinstance(buckets, (tuple, list)) else set()
         if not chosen or any(not is_int(b) or not 1 <= b <= max_batch_size for b in chosen):
             raise OptionError(f"buckets must be integers in 1..max_batch_size={max_batch_size}, got {buckets!r}")
     return tuple(sorted(chosen))
@@ -81,6 +82,10 @@ class CompiledDecoder:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(buckets) + 8)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 16 * len(buckets) + 64)
+        if mode is not None and mode not in MODES:
+            raise OptionError(f"unknown compile mode {mode!r}: choose one of {', '.join(MODES)} (or None)")
+        if cpp_wrapper and mode is not None:
+            raise OptionError("cpp_wrapper=True and a compile mode cannot go together (torch.compile takes one)")
         kwargs = {"fullgraph": True, "dynamic": False, "backend": self.compiler}
         if mode is not None:
             kwargs["mode"] = mode

@@ -237,6 +237,7 @@ def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable
     out: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     bad_shape: list[str] = []
+    misshaped: set[str] = set()
     skipped: Counter[str] = Counter()
 
     for name, load in iter_file_tensors(files):
@@ -264,11 +265,12 @@ def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable
                 unexpected.append(name)
             elif got != want and not _is_unpadded_head(target, got, config):
                 bad_shape.append(f"{target} (from {name}): expected {list(want)}, got {list(got)}")
+                misshaped.add(target)
             else:
                 out[target] = convert(target, part)
         del tensor
 
-    missing = sorted(set(expected) - set(out))
+    missing = sorted(set(expected) - set(out) - misshaped)
     if missing or unexpected or bad_shape:
         parts = []
         if missing:

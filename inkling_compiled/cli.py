@@ -1,4 +1,4 @@
-"""`inkling-compiled`: demo, generate, bench."""
+"""`inkling-compiled`: demo, generate, bench, dump-graphs, profile."""
 
 from __future__ import annotations
 
@@ -51,8 +51,10 @@ def _run_engine(engine, prompts, params, show_progress: bool):
 
 
 def _engine_args(args):
+    buckets = tuple(args.buckets) if args.buckets else (args.max_batch_size,) if getattr(args, "one_bucket", False) \
+        else None
     return dict(device=args.device, dtype=args.dtype, compile=args.compile, max_batch_size=args.max_batch_size,
-                buckets=tuple(args.buckets) if args.buckets else None, compile_backend=args.compile_backend)
+                buckets=buckets, compile_backend=args.compile_backend)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -226,12 +228,15 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .tiny import TINY_CONFIGS
+
     p = Parser(prog="inkling-compiled", description="A compiled decode engine for Inkling models")
     sub = p.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="several prompts in one batch on the embedded tiny checkpoint")
     demo.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
-    _add_engine_options(demo, max_batch_size=8, buckets=[8])  # one graph: quick to compile the first time
+    _add_engine_options(demo, max_batch_size=8)
+    demo.set_defaults(one_bucket=True)  # one graph, of --max-batch-size: quick to compile the first time
     demo.set_defaults(run=_demo)
 
     gen = sub.add_parser("generate", help="generate from prompts with a checkpoint")
@@ -248,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_generate)
 
     bench = sub.add_parser("bench", help="decode tokens/s vs transformers' generate (same weights)")
-    bench.add_argument("--configs", nargs="+", default=["tiny", "small"], help="tiny checkpoint configs to run")
+    bench.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(TINY_CONFIGS),
+                       help="tiny checkpoint configs to run")
     bench.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32], help="batch sizes")
     bench.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
     bench.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per request")
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.run(args)
-    except InklingError as e:
+    except (InklingError, OSError) as e:  # OSError: an output folder that cannot be written, say
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -118,8 +118,7 @@ class InklingConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
         n = values.get("num_hidden_layers", cls.num_hidden_layers)
-        if not _is_int(n) or n <= 0:
-            raise ConfigError(f"invalid Inkling config: num_hidden_layers must be a positive integer, got {n!r}")
+        n = n if _is_int(n) and n > 0 else 0  # a bad count is reported with every other problem by validate()
 
         if not values.get("layer_types"):
             local = raw.get("local_layer_ids")
@@ -193,12 +192,12 @@ class InklingConfig:
         n = self.num_hidden_layers
         if len(self.layer_types) != n:
             problems.append(f"layer_types has {len(self.layer_types)} entries for {n} layers")
-        if bad := sorted(map(str, set(self.layer_types) - {SLIDING, GLOBAL})):
-            problems.append(f"unknown layer_types {bad}: expected {SLIDING!r} or {GLOBAL!r}")
+        if bad := sorted({repr(t) for t in self.layer_types if t not in (SLIDING, GLOBAL)}):
+            problems.append(f"unknown layer_types {', '.join(bad)}: expected {SLIDING!r} or {GLOBAL!r}")
         if len(self.mlp_layer_types) != n:
             problems.append(f"mlp_layer_types has {len(self.mlp_layer_types)} entries for {n} layers")
-        if bad := sorted(map(str, set(self.mlp_layer_types) - {DENSE, SPARSE})):
-            problems.append(f"unknown mlp_layer_types {bad}: expected {DENSE!r} or {SPARSE!r}")
+        if bad := sorted({repr(t) for t in self.mlp_layer_types if t not in (DENSE, SPARSE)}):
+            problems.append(f"unknown mlp_layer_types {', '.join(bad)}: expected {DENSE!r} or {SPARSE!r}")
         if self.hidden_act != "silu":
             problems.append(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         for heads, kv in (("num_attention_heads", "num_key_value_heads"),

@@ -59,6 +59,10 @@ class Engine:
                  progress: bool = True):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        for name, flag in (("compile", compile), ("layer_transfer", layer_transfer), ("warmup", warmup),
+                           ("progress", progress)):
+            if not isinstance(flag, bool):
+                raise OptionError(f"{name} must be True or False, got {flag!r}")
         self.device = resolve_device(device)
         self.max_batch_size = option_int("max_batch_size", max_batch_size)
         self.max_model_len = option_int("max_model_len", max_model_len, 2)
@@ -179,6 +183,9 @@ class Engine:
         """Attach a HiCache-style counter (`wait_until(layer_id)`): every step then waits for a layer's
         transfer before touching its state. Compiled engines carry the per-layer barrier only when
         built with layer_transfer=True."""
+        if counter is not None and not callable(getattr(counter, "wait_until", None)):
+            raise OptionError(f"a layer-transfer counter needs a wait_until(layer_id) method; "
+                              f"{type(counter).__name__} has none")
         if self.decoder is not None and counter is not None and not self.pool.layer_transfer:
             raise CompileError("this compiled engine has no per-layer barrier in its graphs; "
                                "build it with layer_transfer=True to attach a layer-transfer counter")
@@ -218,23 +225,31 @@ class Engine:
         return unowned
 
     def _advance(self) -> list[RequestOutput]:
-        decoding = list(self.running)
-        if decoding:
-            self._run_contained(decoding, self.runner.decode)
-        admitted = self._admit()
-        if admitted:
-            self._run_contained(admitted, self.runner.prefill)
-        for req in decoding + admitted:
-            if req.finish_reason is not None and req in self.running:
-                self._release(req)
-        advanced, self._finished = self._finished + decoding + admitted, []
+        stepped: list[Request] = []
+
+        def run(batch: list[Request], forward) -> None:
+            stepped.extend(batch)
+            self._run_contained(batch, forward)
+            for req in batch:  # finished: slot and pages go back before anything else runs
+                if req.finish_reason is not None and req in self.running:
+                    self._release(req)
+
+        try:
+            if self.running:
+                run(list(self.running), self.runner.decode)
+            admitted = self._admit()  # after the decode, so the slots it freed are reused at once
+            if admitted:
+                run(admitted, self.runner.prefill)
+        except BaseException:  # an interrupt: what finished in this step is delivered with the next one
+            self._finished += [r for r in stepped if r.finish_reason is not None]
+            raise
+        advanced, self._finished = self._finished + stepped, []
         return [self._output(r) for r in advanced]
 
     def _run_contained(self, reqs: list[Request], forward: Callable[[list[Request]], StepOutput]) -> None:
         """One forward for `reqs` and its tokens recorded; if anything raises, those requests fail (their
         pool state may be half-written) and are freed, and the engine carries on. An interrupt
-        (KeyboardInterrupt, SystemExit) fails them the same way, then propagates; their outputs come
-        with the next step."""
+        (KeyboardInterrupt, SystemExit) fails them the same way, then propagates."""
         try:
             with self.torch_state.pinned():
                 out = forward(reqs)
@@ -247,7 +262,6 @@ class Engine:
                 if req in self.running:
                     self._release(req)
             if not isinstance(e, Exception):
-                self._finished += reqs
                 raise
 
     def _admit(self) -> list[Request]:
@@ -316,10 +330,19 @@ class Engine:
         with self._lock:
             rids = [self._queue(ids, p, budget, None) for ids, budget, p in checked]
             self._owners.update((rid, final) for rid in rids)
-        while True:
-            with self._lock:  # another thread's step() may finish ours: `final` is filled under the lock
-                if len(final) == len(rids):
-                    break
-                for out in self._step():
-                    self._undelivered[out.request_id] = out
+        try:
+            while True:
+                with self._lock:  # another thread's step() may finish ours: `final` is filled under the lock
+                    if len(final) == len(rids):
+                        break
+                    for out in self._step():
+                        self._undelivered[out.request_id] = out
+        except BaseException:  # interrupted: the requests become ordinary ones that step() delivers
+            with self._lock:
+                for rid in rids:
+                    self._owners.pop(rid, None)
+                    if rid in final:
+                        self._undelivered[rid] = final[rid]
+                        self._known.add(rid)
+            raise
         return [final[r] for r in rids]

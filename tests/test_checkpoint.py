@@ -104,8 +104,9 @@ def test_wrong_shape_is_named(checkpoint, tmp_path):
 
     rewrite_tensors(path, shrink)
     with pytest.raises(CheckpointError, match=r"wrong shape .*model.layers.1.mlp.experts.down_proj.*"
-                                              r"expected \[8, 64, 32\], got \[8, 64, 5\]"):
+                                              r"expected \[8, 64, 32\], got \[8, 64, 5\]") as e:
         load_model(path)
+    assert "missing" not in str(e.value)  # there, only the wrong shape
 
 
 def test_unexpected_tensor_is_named(checkpoint, tmp_path):
@@ -196,6 +197,30 @@ def test_engine_options_out_of_range_are_named(kwargs, needle, checkpoint):
 
     with pytest.raises(OptionError, match=needle):
         Engine.from_pretrained(checkpoint("tiny"), compile=False, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(compile_mode="bogus"), "unknown compile mode 'bogus'"),
+    (dict(compile_mode="max-autotune", cpp_wrapper=True), "cpp_wrapper=True and a compile mode"),
+    (dict(buckets=5), "buckets must be integers in 1..max_batch_size=4, got 5"),
+    (dict(compile="no"), "compile must be True or False, got 'no'"),
+])
+def test_compile_options_out_of_range_are_named(kwargs, needle, checkpoint):
+    from inkling_compiled.engine import Engine
+    from inkling_compiled.errors import OptionError
+
+    kwargs = {"compile": True, "warmup": False, "max_batch_size": 4, **kwargs}
+    with pytest.raises(OptionError, match=needle):
+        Engine.from_pretrained(checkpoint("tiny"), **kwargs)
+
+
+def test_a_layer_transfer_counter_needs_wait_until(checkpoint):
+    from inkling_compiled.engine import Engine
+    from inkling_compiled.errors import OptionError
+
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False)
+    with pytest.raises(OptionError, match="needs a wait_until"):
+        engine.attach_layer_transfer_counter(object())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -97,3 +97,27 @@ def test_dump_graphs_keeps_dynamo_logs_in_its_files(checkpoint, tmp_path, capfd)
     assert "GUARDS" not in err and len(err.splitlines()) < 5, err[:500]
     assert "| bucket |" in out
     assert "GUARDS" in (tmp_path / "bucket-1" / "guards.txt").read_text()
+
+
+def test_demo_compiles_one_graph_of_its_batch_size(checkpoint, capsys):
+    assert main(["demo", "--model", str(checkpoint("tiny")), "--max-new-tokens", "2", "--compile-backend", "eager",
+                 "--max-batch-size", "4"]) == 0
+    assert "compiled decode graphs (eager): bucket 4:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "--configs", "nope"], "--configs: invalid choice: 'nope'"),
+])
+def test_bad_bench_config_is_one_error_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    one_error_line(capsys.readouterr().err, needle)
+
+
+def test_an_unwritable_output_folder_is_one_error_line(checkpoint, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["profile", "--model", str(checkpoint("tiny")), "--out", str(blocker / "sub"), "--no-compile",
+                 "--steps", "1", "--batch", "1"]) == 2
+    one_error_line(capsys.readouterr().err, "error: [Errno")

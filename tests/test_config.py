@@ -79,6 +79,18 @@ def test_missing_and_malformed_config_file(tmp_path):
         InklingConfig.from_file(tmp_path)
 
 
+def test_problems_are_listed_together_and_unhashable_entries_named():
+    raw = {**TINY_CONFIGS["tiny"], "hidden_size": "64", "num_hidden_layers": -1, "vocab_size": None}
+    with pytest.raises(ConfigError) as e:
+        text(**raw)
+    assert all(f"{name} must be a positive integer" in str(e.value)
+               for name in ("hidden_size", "num_hidden_layers", "vocab_size"))
+    with pytest.raises(ConfigError, match=r"unknown layer_types \[1\]"):
+        text(**{**TINY_CONFIGS["tiny"], "layer_types": [[1], "hybrid", "hybrid", "hybrid"]})
+    with pytest.raises(ConfigError, match=r"unknown mlp_layer_types \{\}"):
+        text(**{**TINY_CONFIGS["tiny"], "mlp_layer_types": [{}, "dense", "dense", "dense"]})
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("log_scaling_n_floor", "x", "log_scaling_n_floor must be a positive integer or null, got 'x'"),
     ("rms_norm_eps", "x", "rms_norm_eps must be a finite number > 0, got 'x'"),

@@ -139,6 +139,41 @@ def test_sampling_fields_the_step_cannot_represent_are_refused():
     SamplingParams(top_k=2**31 - 1, seed=2**64 - 1, max_new_tokens=2**31 - 1, top_p=1e-30)  # the edges pass
 
 
+def test_an_interrupt_in_the_prefill_keeps_the_decode_that_finished_before_it(checkpoint):
+    engine = make_engine(checkpoint, False)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    first = engine.add_request(clean_prompt(5, seed=1), params)
+    engine.step()  # prefill: token 1 of 2
+    second = engine.add_request(clean_prompt(6, seed=2), params)
+    fault = FaultyKernel("sconv_extend", fail_at=1, error=KeyboardInterrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()  # decodes `first` to its end, then the prefill of `second` is interrupted
+    finally:
+        fault.remove()
+    outs = {o.request_id: o for o in engine.step()}
+    assert (outs[first].finish_reason, len(outs[first].token_ids)) == ("length", 2)  # not decoded again
+    assert outs[second].finish_reason == "error"
+    assert not engine.has_unfinished() and engine.pool.slots.num_free == engine.pool.slots.capacity
+
+
+def test_an_interrupted_generate_hands_its_requests_to_step(checkpoint):
+    engine = make_engine(checkpoint, False, max_batch_size=2)
+    prompts = [clean_prompt(4 + i, seed=700 + i) for i in range(5)]  # 5 requests, 2 slots: 3 wait
+    fault = FaultyKernel("sconv_decode", fail_at=2 * 16 + 1, error=KeyboardInterrupt)  # the third decode step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    finally:
+        fault.remove()
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(finished) == 5  # every request's final output reaches step(), failed or not
+    assert {o.finish_reason for o in finished.values()} == {"error", "length"}
+    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+
+
 def test_an_interrupt_mid_step_fails_that_steps_requests_then_propagates(checkpoint):
     """Ctrl-C inside a forward: the half-stepped requests must not carry on with corrupt state."""
     engine = make_engine(checkpoint, False)
@@ -267,17 +302,23 @@ def test_the_callers_torch_state_never_reaches_a_compiled_step(checkpoint):
     engine = make_engine(checkpoint, True)
     prompts = [clean_prompt(n, seed=400 + n) for n in (3, 10)]
     want = outputs(engine, prompts)
-    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    threads, dtype, precision = torch.get_num_threads(), torch.get_default_dtype(), torch.get_float32_matmul_precision()
+    fp16_reduce = torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
     try:
         torch.set_num_threads(2)
         torch.set_default_dtype(torch.float64)
+        torch.set_float32_matmul_precision("high")  # allow_tf32, which Dynamo guards on
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = not fp16_reduce
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = outputs(engine, prompts)
             assert torch.is_autocast_enabled("cpu")  # restored for the caller
         assert torch.get_num_threads() == 2 and torch.get_default_dtype() == torch.float64
+        assert torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.set_num_threads(threads)
         torch.set_default_dtype(dtype)
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fp16_reduce
     assert_same(got, want)
 
 
