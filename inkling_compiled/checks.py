@@ -18,6 +18,13 @@ def is_finite(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def option_bool(name: str, value) -> bool:
+    """An engine option that must be True or False (a truthy "no" is not False)."""
+    if not isinstance(value, bool):
+        raise OptionError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def option_int(name: str, value, minimum: int = 1) -> int:
     """An engine option that must be an integer >= minimum, or an OptionError naming it."""
     if not is_int(value) or value < minimum:

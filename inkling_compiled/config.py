@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .checks import is_finite as _is_finite
-from .checks import is_int as _is_int
+from .checks import is_finite, is_int
 from .errors import ConfigError
 
 SLIDING = "hybrid_sliding"
@@ -118,17 +117,17 @@ class InklingConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
         n = values.get("num_hidden_layers", cls.num_hidden_layers)
-        n = n if _is_int(n) and n > 0 else 0  # a bad count is reported with every other problem by validate()
+        n = n if is_int(n) and n > 0 else 0  # a bad count is reported with every other problem by validate()
 
         if not values.get("layer_types"):
             local = raw.get("local_layer_ids")
-            if local is not None and (not isinstance(local, list) or not all(_is_int(i) for i in local)):
+            if local is not None and (not isinstance(local, list) or not all(is_int(i) for i in local)):
                 raise ConfigError(f"invalid Inkling config: local_layer_ids must be a list of integers, got {local!r}")
             local_ids = set(local) if local is not None else {i for i in range(n) if (i + 1) % 6}
             values["layer_types"] = [SLIDING if i in local_ids else GLOBAL for i in range(n)]
         if not values.get("mlp_layer_types"):
             dense_upto = raw.get("dense_mlp_idx", 0)
-            if not _is_int(dense_upto):
+            if not is_int(dense_upto):
                 raise ConfigError(f"invalid Inkling config: dense_mlp_idx must be an integer, got {dense_upto!r}")
             values["mlp_layer_types"] = [DENSE if i < dense_upto else SPARSE for i in range(n)]
         for name in ("layer_types", "mlp_layer_types"):
@@ -179,14 +178,14 @@ class InklingConfig:
                 if not ok(value):
                     problems.append(f"{name} must be {what}, got {value!r}")
 
-        check(_POSITIVE_INTS, lambda v: _is_int(v) and v > 0, "a positive integer")
-        check(("unpadded_vocab_size", "log_scaling_n_floor"), lambda v: v is None or (_is_int(v) and v > 0),
+        check(_POSITIVE_INTS, lambda v: is_int(v) and v > 0, "a positive integer")
+        check(("unpadded_vocab_size", "log_scaling_n_floor"), lambda v: v is None or (is_int(v) and v > 0),
               "a positive integer or null")
-        check(("pad_token_id", "bos_token_id", "eos_token_id"), lambda v: v is None or (_is_int(v) and v >= 0),
+        check(("pad_token_id", "bos_token_id", "eos_token_id"), lambda v: v is None or (is_int(v) and v >= 0),
               "a token id or null")
-        check(("log_scaling_alpha", "route_scale"), _is_finite, "a finite number")
-        check(("rms_norm_eps",), lambda v: _is_finite(v) and v > 0, "a finite number > 0")
-        check(("logits_mup_width_multiplier",), lambda v: _is_finite(v) and v != 0, "a finite non-zero number")
+        check(("log_scaling_alpha", "route_scale"), is_finite, "a finite number")
+        check(("rms_norm_eps",), lambda v: is_finite(v) and v > 0, "a finite number > 0")
+        check(("logits_mup_width_multiplier",), lambda v: is_finite(v) and v != 0, "a finite non-zero number")
         if problems:  # the checks below assume the types are right
             raise ConfigError("invalid Inkling config: " + "; ".join(problems))
         n = self.num_hidden_layers

@@ -14,6 +14,8 @@ and keeps none.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
@@ -30,12 +32,11 @@ class FullSequenceContext:
     """Sequences that start from an empty state (no cache, packed varlen)."""
 
     def __init__(self, lengths: list[int], config: InklingConfig, device):
+        ends = list(itertools.accumulate(lengths))
+        self.spans = list(zip([0] + ends[:-1], ends))  # (start, end) of each sequence in the packed tokens
         lens = torch.tensor(lengths, dtype=torch.long, device=device)
-        starts = torch.cumsum(lens, 0) - lens
-        self.seq_start = starts.repeat_interleave(lens)  # [T] packed index of each token's first token
-        self.positions = torch.arange(int(lens.sum()), device=device) - self.seq_start  # [T]
-        ends = [int(e) for e in torch.cumsum(lens, 0).tolist()]
-        self.spans = list(zip([0] + ends[:-1], ends))
+        self.seq_start = torch.tensor([s for s, _ in self.spans], device=device).repeat_interleave(lens)  # [T]
+        self.positions = torch.arange(ends[-1] if ends else 0, device=device) - self.seq_start  # [T]
         self.config = config
 
     def enter_layer(self, layer_id: int) -> None:

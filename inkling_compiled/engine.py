@@ -25,7 +25,7 @@ import torch
 from .backend import StepBackend
 from .cache import StatePool
 from .config import InklingConfig
-from .checks import option_int
+from .checks import option_bool, option_int
 from .errors import CompileError, OptionError, RequestError
 from .graphs import CompiledDecoder, choose_buckets
 from .kv_layout import pages_for
@@ -61,8 +61,7 @@ class Engine:
         self.model, self.config, self.tokenizer = model, config, tokenizer
         for name, flag in (("compile", compile), ("layer_transfer", layer_transfer), ("warmup", warmup),
                            ("progress", progress)):
-            if not isinstance(flag, bool):
-                raise OptionError(f"{name} must be True or False, got {flag!r}")
+            option_bool(name, flag)
         self.device = resolve_device(device)
         self.max_batch_size = option_int("max_batch_size", max_batch_size)
         self.max_model_len = option_int("max_model_len", max_model_len, 2)

@@ -14,6 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .checks import is_int
 from .errors import RequestError
 from .metadata import RowSampling
 from .sampling import SamplingParams, seed_key
@@ -73,7 +74,7 @@ def _describe(value) -> str:
 def _token_ids(values: Sequence, what: str) -> list[int]:
     ids = []
     for i, t in enumerate(values):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        if not is_int(t):
             raise RequestError(f"{what}: token {i} is {_describe(t)}; token ids must be integers")
         ids.append(int(t))
     return ids

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
-from .checks import is_finite as _is_float
-from .checks import is_int as _is_int
+from .checks import is_finite, is_int
 from .errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
@@ -38,21 +37,21 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self):
         problems = []
-        if not _is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_COUNT:
+        if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= MAX_COUNT:
             problems.append(f"max_new_tokens must be an integer in 1..{MAX_COUNT}, got {self.max_new_tokens!r}")
-        if not _is_float(self.temperature) or not 0 <= self.temperature <= MAX_FLOAT32:
+        if not is_finite(self.temperature) or not 0 <= self.temperature <= MAX_FLOAT32:
             problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
+        if not is_int(self.top_k) or not 0 <= self.top_k <= MAX_COUNT:
             problems.append(f"top_k must be an integer in 0..{MAX_COUNT} (0 = off), got {self.top_k!r}")
         # top_p travels as fp32: a value that rounds to 0 there would keep no token at all
-        if not _is_float(self.top_p) or not (0.0 < self.top_p <= 1.0) or float(np.float32(self.top_p)) <= 0.0:
+        if not is_finite(self.top_p) or not (0.0 < self.top_p <= 1.0) or float(np.float32(self.top_p)) <= 0.0:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             problems.append(f"seed must be None or an integer in 0..2**64-1, got {self.seed!r}")
-        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+        if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             problems.append(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (tuple, list)) or \
-                not all(_is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids):
+                not all(is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be a sequence of non-negative integers, got {self.stop_token_ids!r}")
         for flag in ("ignore_eos", "logprobs"):
             if not isinstance(getattr(self, flag), bool):

@@ -196,47 +196,57 @@ def test_an_interrupt_mid_step_fails_that_steps_requests_then_propagates(checkpo
 
 # ---- several threads, one engine ---------------------------------------------------------------------
 
+def run_concurrently(*targets, timeout=120) -> list[BaseException]:
+    """Runs each callable on its own thread; the exceptions they raised. Fails if one never returns."""
+    import threading
+
+    errors = []
+
+    def guarded(target):
+        try:
+            target()
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "a thread never returned"
+    return errors
+
+
 def test_threads_adding_aborting_and_stepping_leave_every_request_finished_and_nothing_leaked(checkpoint):
     import random
     import threading
 
     engine = make_engine(checkpoint, False, max_model_len=64, page_size=4)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    added, finished, errors = [], {}, []
+    added, finished = [], {}
     lock = threading.Lock()
 
     def producer(seed):
         rng = random.Random(seed)
-        try:
-            for i in range(40):
-                rid = engine.add_request(clean_prompt(rng.randint(1, 20), seed=seed * 100 + i), params)
-                with lock:
-                    added.append(rid)
-                if rng.random() < 0.3:
-                    try:
-                        engine.abort(rid)
-                    except Exception as e:  # it may have finished already: only that error is allowed
-                        assert "no unfinished request" in str(e)
-        except Exception as e:
-            errors.append(e)
+        for i in range(40):
+            rid = engine.add_request(clean_prompt(rng.randint(1, 20), seed=seed * 100 + i), params)
+            with lock:
+                added.append(rid)
+            if rng.random() < 0.3:
+                try:
+                    engine.abort(rid)
+                except Exception as e:  # it may have finished already: only that error is allowed
+                    assert "no unfinished request" in str(e)
 
     def stepper():
-        try:
-            for _ in range(400):
-                for out in engine.step():
-                    if out.finished:
-                        with lock:
-                            assert out.request_id not in finished, "a request finished twice"
-                            finished[out.request_id] = out
-        except Exception as e:
-            errors.append(e)
+        for _ in range(400):
+            for out in engine.step():
+                if out.finished:
+                    with lock:
+                        assert out.request_id not in finished, "a request finished twice"
+                        finished[out.request_id] = out
 
-    threads = [threading.Thread(target=producer, args=(s,)) for s in (1, 2)]
-    threads += [threading.Thread(target=stepper) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = run_concurrently(lambda: producer(1), lambda: producer(2), stepper, stepper)
     while engine.has_unfinished():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert not errors, errors
@@ -259,37 +269,24 @@ def test_generate_hands_other_requests_outputs_to_the_next_step(checkpoint):
 
 def test_generate_beside_other_threads_generating_and_stepping(checkpoint):
     """Each generate() gets its own outputs, whoever stepped them; a streaming stepper gets its own once."""
-    import threading
-
     engine = make_engine(checkpoint, False)
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     prompts = {name: clean_prompt(4 + i, seed=600 + i) for i, name in enumerate("abcd")}
     want = {name: outputs(engine, [p], params)[0][0] for name, p in prompts.items()}
-    got, streamed, errors = {}, {}, []
+    got, streamed = {}, {}
     streamer_rid = engine.add_request(prompts["d"], params)
 
     def generating(name):
-        try:
-            got[name] = engine.generate([prompts[name]], params)[0].token_ids
-        except Exception as e:
-            errors.append(e)
+        got[name] = engine.generate([prompts[name]], params)[0].token_ids
 
     def stepping():
-        try:
-            for _ in range(200):
-                for out in engine.step():
-                    assert out.request_id not in streamed, "a final output delivered twice"
-                    if out.finished:
-                        streamed[out.request_id] = out.token_ids
-        except Exception as e:
-            errors.append(e)
+        for _ in range(200):
+            for out in engine.step():
+                assert out.request_id not in streamed, "a final output delivered twice"
+                if out.finished:
+                    streamed[out.request_id] = out.token_ids
 
-    threads = [threading.Thread(target=generating, args=(n,)) for n in "abc"] + [threading.Thread(target=stepping)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a generate() never returned"
+    errors = run_concurrently(*(lambda n=n: generating(n) for n in "abc"), stepping)
     assert not errors, errors
     assert got == {n: want[n] for n in "abc"}
     assert streamed == {streamer_rid: want["d"]}
