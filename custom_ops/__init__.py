@@ -11,12 +11,12 @@ from .attention import paged_attention
 from .barrier import wait_layer
 from .kv import kv_write
 from .linear import linear
-from .library import KERNELS, native_kernels, register_python_cpu_kernels
+from .library import KERNELS, native_kernels, register_cpu_kernels
 from .moe import moe_experts
 from .sampling import top_k_top_p
 from .sconv import sconv_decode, sconv_extend
 
-register_python_cpu_kernels(native_kernels())
+register_cpu_kernels()
 
 __all__ = ["KERNELS", "sconv_decode", "sconv_extend", "kv_write", "paged_attention", "moe_experts", "wait_layer",
            "top_k_top_p", "linear", "native_kernels"]

@@ -5,8 +5,8 @@ Every op is defined from its schema (mutated arguments marked `(a!)`) with:
 - a fake kernel (tracing, `Meta`);
 - a `reference` kernel: plain torch, the definition the others are tested against; it may look at
   its data on the host (a sync), so it is for tests and for CPU when nothing faster is there;
-- a `CPU` kernel: the C++ kernel of `csrc/inkling_cpu.cpp` when it builds (`native_kernels()`), else
-  the reference (set INKLING_NATIVE_KERNELS=0 to force that);
+- a `CPU` kernel: the C++ kernel of `csrc/inkling_cpu.cpp`, built and swapped in on the first call
+  (`register_cpu_kernels`, `native_kernels`), else the reference (INKLING_NATIVE_KERNELS=0 forces that);
 - a `CUDA` kernel: capturable (no host sync, static shapes, fit for CUDA graphs). Until Triton
   kernels land these are plain torch, so tests run them on CPU tensors against the references.
 
@@ -17,8 +17,13 @@ Every op is defined from its schema (mutated arguments marked `(a!)`) with:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +31,11 @@ import torch
 
 log = logging.getLogger("inkling_compiled")
 LIB = torch.library.Library("inkling", "DEF")
-_native: bool | None = None
+_native: bool | None = None  # None until the first CPU call of a C++-covered op (or native_kernels())
+_stand_ins: torch.library.Library | None = None  # the CPU registrations the C++ kernels replace
+_swap_lock = threading.Lock()
+_library: Path | None = None  # the loaded C++ kernels
+_SOURCE = Path(__file__).parent / "csrc" / "inkling_cpu.cpp"
 # The C++ file registers a CPU kernel for each of these; the others get their Python CPU kernel.
 NATIVE_CPU_OPS = ("sconv_decode", "sconv_extend", "kv_write", "paged_attention", "moe_experts", "top_k_top_p",
                   "linear")
@@ -39,7 +48,7 @@ def define(schema: str, *, fake: Callable, reference: Callable, cuda: Callable, 
     """Defines `inkling::<name>` from its schema and registers its kernels; returns the op overload.
 
     `cpu` defaults to the reference; it serves only where the C++ kernels are not built (they register
-    the CPU key themselves, see `register_python_cpu_kernels`)."""
+    the CPU key themselves, see `register_cpu_kernels`)."""
     name = schema.split("(", 1)[0]
     LIB.define(schema, tags=tags)
     LIB.impl(name, cuda, "CUDA")
@@ -48,34 +57,104 @@ def define(schema: str, *, fake: Callable, reference: Callable, cuda: Callable, 
     return getattr(torch.ops.inkling, name).default
 
 
-def register_python_cpu_kernels(native: bool) -> None:
-    """The CPU key of every op the C++ kernels do not cover (all of them when they did not build)."""
+def register_cpu_kernels() -> None:
+    """At import: the CPU key of every op gets a Python kernel, and nothing is built.
+
+    The ops the C++ file covers get a stand-in that, on the first call of any of them, builds (once per
+    machine, see `native_kernels`) and loads the C++ kernels in their place, then runs the call on
+    them. Importing the package or running `--help` therefore never waits for a compiler.
+    INKLING_NATIVE_KERNELS=0 keeps the Python kernels for good."""
+    global _stand_ins
+    lazy = os.environ.get("INKLING_NATIVE_KERNELS", "1") != "0"
+    if lazy:
+        _stand_ins = torch.library.Library("inkling", "IMPL")
     for name, kernels in KERNELS.items():
-        if not (native and name in NATIVE_CPU_OPS):
+        if lazy and name in NATIVE_CPU_OPS:
+            _stand_ins.impl(name, _first_call_builds(name), "CPU")
+        else:
             LIB.impl(name, kernels["CPU"], "CPU")
 
 
+def _first_call_builds(name: str) -> Callable:
+    def first_call(*args, **kwargs):
+        native_kernels()
+        return getattr(torch.ops.inkling, name).default(*args, **kwargs)
+
+    return first_call
+
+
 def native_kernels() -> bool:
-    """Builds (once, cached on disk) and loads the C++ CPU kernels; False if that is not possible."""
-    global _native
-    if _native is not None:
+    """Builds (once per machine, cached on disk) and loads the C++ CPU kernels in place of the stand-ins;
+    False (and the Python kernels registered instead) if that is not possible."""
+    global _native, _stand_ins, _library
+    with _swap_lock:
+        if _native is not None:
+            return _native
+        _native = False
+        if _stand_ins is None:  # INKLING_NATIVE_KERNELS=0
+            return False
+        try:
+            library = _built_extension()
+        except Exception as e:  # no compiler, no ninja, ...: the Python kernels serve
+            log.warning("inkling C++ CPU kernels unavailable, using the torch reference kernels: %s", e)
+            library = None
+        # Swap under the lock: the stand-ins go, then the C++ file registers its kernels as it loads.
+        _stand_ins._destroy()
+        _stand_ins = None
+        if library is not None:
+            torch.ops.load_library(str(library))
+            _native, _library = True, library
+        else:
+            for name in NATIVE_CPU_OPS:
+                LIB.impl(name, KERNELS[name]["CPU"], "CPU")
         return _native
-    _native = False
-    if os.environ.get("INKLING_NATIVE_KERNELS", "1") == "0":
-        return False
-    try:
-        from torch.utils import cpp_extension
 
-        from inkling_compiled.paths import default_cache_dir
-        from inkling_compiled.streams import STREAM_NAMES
 
-        build = default_cache_dir() / "extensions" / f"torch-{torch.__version__}"
-        build.mkdir(parents=True, exist_ok=True)
-        # -ffp-contract=off: every product and sum rounds as the references do (bit-identical convs).
-        flags = ["-O3", "-ffp-contract=off", f"-DINKLING_STREAM_NAMES={','.join(STREAM_NAMES)}"]
-        cpp_extension.load(name="inkling_cpu", sources=[str(Path(__file__).parent / "csrc" / "inkling_cpu.cpp")],
-                           extra_cflags=flags, build_directory=str(build), is_python_module=False, verbose=False)
-        _native = True
-    except Exception as e:  # no compiler, no ninja, ...: the reference kernels still serve
-        log.warning("inkling C++ CPU kernels unavailable, using the torch reference kernels: %s", e)
-    return _native
+def cpu_isa() -> str | None:
+    """The instruction set the C++ matmul kernels picked for this CPU ('avx512', 'avx2', 'portable'; the
+    INKLING_CPU_ISA variable can force a lower one); None where the C++ kernels are not in use."""
+    if not native_kernels():
+        return None
+    import ctypes
+
+    isa = ctypes.CDLL(str(_library)).inkling_cpu_isa
+    isa.restype = ctypes.c_char_p
+    return isa().decode()
+
+
+def _build_flags() -> list[str]:
+    from inkling_compiled.streams import STREAM_NAMES
+
+    # -ffp-contract=off: every product and sum rounds as the references do (bit-identical convs).
+    return ["-O3", "-ffp-contract=off", f"-DINKLING_STREAM_NAMES={','.join(STREAM_NAMES)}"]
+
+
+def extension_dir() -> Path:
+    """Where this source, these flags, this torch and this interpreter build their kernels: every
+    checkout and venv gets its own folder, so none of them rebuilds another's."""
+    from inkling_compiled.paths import default_cache_dir
+
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_build_flags()).encode(), torch.__version__.encode(),
+                 sys.version.encode(), sys.executable.encode(), platform.machine().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return default_cache_dir() / "extensions" / f"inkling_cpu-{key.hexdigest()[:16]}"
+
+
+def _built_extension() -> Path:
+    """The built library, building it first (in a child process, which loads nothing here) if needed."""
+    folder = extension_dir()
+    library = folder / "inkling_cpu.so"
+    if not library.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        sys.stderr.write("inkling-compiled: building the C++ CPU kernels (once for this checkout and "
+                         f"interpreter) in {folder}\n")
+        build = ("import sys; from torch.utils import cpp_extension; "
+                 "cpp_extension.load(name='inkling_cpu', sources=[sys.argv[1]], build_directory=sys.argv[2], "
+                 "extra_cflags=sys.argv[3:], is_python_module=False, verbose=False)")
+        done = subprocess.run([sys.executable, "-c", build, str(_SOURCE), str(folder), *_build_flags()],
+                              capture_output=True, text=True)
+        if done.returncode != 0 or not library.is_file():
+            raise RuntimeError(f"building {_SOURCE.name} failed:\n{done.stderr[-4000:]}")
+    return library

@@ -1,10 +1,13 @@
-"""One compiled decode graph per batch-size bucket, over the step's static buffers.
+"""The compiled decode step, over the step's static buffers: one graph serves every batch bucket.
 
 The whole step (embedding, every layer, final norm, lm_head, sampling and logprobs) is
-`torch.compile(fullgraph=True, dynamic=False)`: a graph break is an error, and each bucket is its own
-static-shape graph. On CUDA the inductor backend runs with `mode="reduce-overhead"` (CUDA graphs); on
-CPU it is plain inductor. Warm-up compiles every bucket; after it, a recompile is an error that names
-the guard that failed.
+`torch.compile(fullgraph=True, dynamic=False)`: a graph break is an error. The batch dimension is
+symbolic, bounded by the largest bucket, so one graph serves buckets 2 and up; bucket 1 gets its own
+static graph (`graph_per_bucket=True` gives every bucket its own). On CUDA the inductor backend runs
+with `mode="reduce-overhead"`, which records one CUDA graph per bucket from that code; on CPU it is
+plain inductor with its C++ launch wrapper. A bucket compiles on first use unless warmed up; after
+that, a recompile is an error that names the guard that failed. Dynamo's guards watch only the per-step
+metadata (`guarded_sources`): the rest of what the step reads is fixed for the decoder's life.
 
 This layer knows nothing of the engine: its caller hands it the step as a module (everything the step
 reads reached through that module, so it is all static) and a callback that prepares an all-padding
@@ -14,7 +17,6 @@ batch of a given size, which is what warm-up runs.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -57,18 +59,38 @@ def resolve_backend(name):
     return name
 
 
+def guard_filter(sources: tuple[str, ...]) -> Callable[[list], list[bool]]:
+    """Keeps Dynamo's guards on the given sources (and on global state: grad mode, dtype, the symbolic
+    batch's bounds) and drops the rest. Everything else the step reads (parameters, module structure,
+    the pool) is fixed for the decoder's life; checking ~1,000 guards on it cost every replay tens of us."""
+
+    def keep(entries) -> list[bool]:
+        return [not e.name or e.name.startswith(sources) for e in entries]
+
+    return keep
+
+
 def default_compile_cache_dir() -> Path:
     return default_cache_dir() / "inductor"
 
 
 class CompiledDecoder:
-    """`step()` compiled once per bucket; `run()` replays the bucket the buffers were last prepared for."""
+    """The decode step compiled for a set of batch buckets; `run(bucket)` replays one.
+
+    By default the batch dimension is symbolic: one graph serves every bucket of two rows or more (the
+    step's metadata slices are marked dynamic by whoever prepares them, see `StepBuffers.symbolic_rows`)
+    and bucket 1 gets its own static graph (Dynamo specialises a size of one anyway, and a single row
+    is the GEMV case). `graph_per_bucket=True` compiles every bucket as its own static graph instead.
+    Under CUDA graphs each bucket is still recorded as its own CUDA graph from the shared compiled code.
+    """
 
     def __init__(self, step: nn.Module, prepare_padding: Callable[[int], object], *, device: torch.device | str,
                  buckets: tuple[int, ...], compile_backend="inductor", mode: str | None = None,
-                 cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None):
+                 cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None,
+                 graph_per_bucket: bool = False, guarded_sources: tuple[str, ...] | None = None):
         self.step, self.prepare_padding = step, prepare_padding
         self.buckets = buckets
+        self.graph_per_bucket = bool(graph_per_bucket)
         self.compiler = resolve_backend(compile_backend)
         device = torch.device(device)
         if mode is None and compile_backend == "inductor" and device.type == "cuda":
@@ -77,32 +99,53 @@ class CompiledDecoder:
         self.cache_dir = Path(cache_dir) if cache_dir else Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
                                                                  default_compile_cache_dir())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
-        # Each bucket is a recompile of the same frame (and every engine in the process shares that
+        # Each graph is a recompile of the same frame (and every engine in the process shares that
         # frame's cache); leave room for all of them.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(buckets) + 8)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 16 * len(buckets) + 64)
         if mode is not None and mode not in MODES:
             raise OptionError(f"unknown compile mode {mode!r}: choose one of {', '.join(MODES)} (or None)")
-        if cpp_wrapper and mode is not None:
-            raise OptionError("cpp_wrapper=True and a compile mode cannot go together (torch.compile takes one)")
-        kwargs = {"fullgraph": True, "dynamic": False, "backend": self.compiler}
-        if mode is not None:
-            kwargs["mode"] = mode
         # On CPU, inductor's C++ wrapper replaces the Python code that launches each kernel, which is a
-        # large share of a small model's step. (torch.compile takes a mode or options, not both.)
+        # large share of a small model's step.
         if cpp_wrapper is None:
             cpp_wrapper = compile_backend == "inductor" and device.type == "cpu" and mode is None
         self.cpp_wrapper = bool(cpp_wrapper)
-        if self.cpp_wrapper:
-            kwargs["options"] = {"cpp_wrapper": True}
+        options: dict = {"cpp_wrapper": True} if self.cpp_wrapper else {}
+        if guarded_sources is not None:
+            options["guard_filter_fn"] = guard_filter(guarded_sources)
+        kwargs = {"fullgraph": True, "dynamic": False, "backend": self.compiler}
+        if mode is not None and compile_backend == "inductor":  # torch.compile takes a mode or options, not both
+            options = {**torch._inductor.list_mode_options(mode), **options}
+        elif mode is not None:  # another backend's own mode: it keeps every guard
+            kwargs["mode"], options = mode, {}
+        if options:
+            kwargs["options"] = options
         self.compiled = torch.compile(step, **kwargs)
-        self.compile_seconds: dict[int, float] = {}
-        self.warmed_up = False
+        self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its first call took
+        self.graph_of: dict[int, int] = {}  # bucket -> index of the graph that serves it (in compile order)
+        self._graphs = 0
+        self._symbolic_graph: int | None = None
+
+    @property
+    def symbolic_rows(self) -> int | None:
+        """The largest batch the symbolic graph serves (None when every bucket has its own graph)."""
+        return None if self.graph_per_bucket else self.largest
 
     @property
     def largest(self) -> int:
         return self.buckets[-1]
+
+    @property
+    def warmed_up(self) -> bool:
+        return len(self.graph_of) == len(self.buckets)
+
+    def graphs(self) -> list[tuple[int, ...]]:
+        """The buckets each compiled graph serves, one tuple per graph, in compile order."""
+        served: dict[int, list[int]] = {}
+        for bucket, graph in sorted(self.graph_of.items()):
+            served.setdefault(graph, []).append(bucket)
+        return [tuple(served[g]) for g in sorted(served)]
 
     def bucket_for(self, rows: int) -> int:
         for b in self.buckets:
@@ -110,38 +153,54 @@ class CompiledDecoder:
                 return b
         raise ValueError(f"{rows} rows exceed the largest bucket {self.largest}; split the batch first")
 
-    def warmup(self, progress: bool = True) -> dict[int, float]:
-        """Compiles every bucket on an all-padding batch (only the dummy slot and page are written)."""
-        show = progress and sys.stderr.isatty()
-        for i, b in enumerate(self.buckets):
-            if show:
-                sys.stderr.write(f"\rcompiling decode graphs [{'#' * i}{'.' * (len(self.buckets) - i)}] bucket {b}")
-                sys.stderr.flush()
-            self.warm_bucket(b)
-        if show:
-            sys.stderr.write("\r" + " " * 60 + "\r")
-        self.warmed_up = True
+    def warmup(self, progress: Callable[..., None] | None = None, buckets: tuple[int, ...] | None = None
+               ) -> dict[int, float]:
+        """Compiles (or loads from the cache) the graphs of `buckets` (default all) on all-padding
+        batches, which write only the dummy slot and page; seconds per bucket. `progress(message,
+        done, total)` hears about each bucket before it starts."""
+        todo = [b for b in buckets or self.buckets if b not in self.graph_of]
+        for i, b in enumerate(todo):
+            if progress:
+                progress(f"compiling the decode step: bucket {b}", i, len(todo))
+            self.prepare_padding(b)
+            self._first_call(b)
         return dict(self.compile_seconds)
 
     def warm_bucket(self, bucket: int) -> float:
-        """Compiles (or loads from cache) one bucket's graph on an all-padding batch; seconds taken."""
-        self.prepare_padding(bucket)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            self.compiled()
-        self.compile_seconds[bucket] = time.perf_counter() - t0
+        """Compiles one bucket's graph (if it is not compiled yet) on an all-padding batch; seconds taken."""
+        self.warmup(buckets=(bucket,))
         return self.compile_seconds[bucket]
 
-    def run(self) -> tuple[torch.Tensor, ...]:
-        """Replays the graph for the bucket the buffers were prepared for; outputs are copies the caller owns."""
+    def _first_call(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """A bucket's first replay, which may compile: timed, and the graph that serves it noted."""
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            if not self.warmed_up:
-                outputs = self.compiled()
-            else:
-                try:
-                    with torch._dynamo.config.patch(error_on_recompile=True):
-                        outputs = self.compiled()
-                except torch._dynamo.exc.RecompileError as e:
-                    raise CompileError(f"decode step would recompile after warm-up: {e}") from None
+            outputs = self.compiled()
+        self.compile_seconds[bucket] = time.perf_counter() - t0
+        if torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames:
+            self.graph_of[bucket] = self._graphs
+            if bucket >= 2 and not self.graph_per_bucket:
+                self._symbolic_graph = self._graphs
+            self._graphs += 1
+        elif self._symbolic_graph is not None:  # a bucket the symbolic graph already covers
+            self.graph_of[bucket] = self._symbolic_graph
+        else:
+            raise CompileError(f"bucket {bucket} ran without a graph of its own or a symbolic one to serve it")
+        return outputs
+
+    def run(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """Replays the graph of `bucket`, for which the buffers were prepared; a bucket not compiled yet
+        is compiled first (lazy start-up). Outputs are tensors the caller owns."""
+        if bucket not in self.graph_of:
+            outputs = self._first_call(bucket)
+        else:
+            try:
+                with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+                    outputs = self.compiled()
+            except RuntimeError as e:
+                if "fail_on_recompile" not in str(e):
+                    raise
+                raise CompileError(f"decode step for bucket {bucket} would recompile after warm-up: {e}") from None
         # CUDA-graph outputs live in graph-owned memory that the next replay overwrites.
         return tuple(t.clone() for t in outputs) if self.mode == "reduce-overhead" else outputs

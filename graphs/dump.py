@@ -1,9 +1,10 @@
 """Graph dumps: everything a compiled decode step is made of, as diffable text.
 
-Per bucket (`bucket-<B>/`): the Dynamo graph, the post-grad graph (inductor) or the AOT forward graph
+Per compiled graph (`bucket-<B>/`, B the first bucket it served): the Dynamo graph, the post-grad graph (inductor) or the AOT forward graph
 (aot_eager), the inductor output code, the guards, an op census (custom-op calls labelled with layer
 and stream, aten op counts, pool-sized copies flagged) and the static-input table. At the top:
-`capture.md`, `summary.md` and `summary.json`. Object ids and addresses are replaced by placeholders
+`capture.md`, `summary.md` and `summary.json`, one row per bucket
+naming the graph folder that serves it (a symbolic graph serves every bucket of two rows or more). Object ids and addresses are replaced by placeholders
 so that two dumps of the same engine are byte-identical; `diff_dumps` compares two of them.
 
 `GraphDump` is handed its decoder and the pool's state tensors by its caller (the `dump-graphs`
@@ -162,12 +163,19 @@ class GraphDump:
                     else:
                         decoder.warm_bucket(bucket)
                 graphs = recorder.graphs[first_graph:]
-                gm = graphs[0]
                 compiles_after_warmup = len(get_compilation_metrics())
                 for _ in range(steps):  # replays refill the buffers in place: nothing may recompile or move
                     decoder.prepare_padding(bucket)
-                    decoder.run()
-                recompiles = len(get_compilation_metrics()) - compiles_after_warmup
+                    decoder.run(bucket)
+                timing = {"graph_breaks": sum(counters["graph_break"].values()),
+                          "recompiles": len(get_compilation_metrics()) - compiles_after_warmup,
+                          "compile_s": round(decoder.compile_seconds[bucket], 3),
+                          "dynamo_frames": len(get_compilation_metrics()) - first_metric}
+                if not graphs:  # served by the symbolic graph an earlier bucket compiled: its census holds
+                    home = next(b for b in decoder.buckets if decoder.graph_of.get(b) == decoder.graph_of[bucket])
+                    summary["buckets"][str(bucket)] = {**summary["buckets"][str(home)], **timing, "graphs": 0}
+                    continue
+                gm = graphs[0]
                 c = census(gm)
                 post_text = post_grad.graphs[-1] if backend == "inductor" and post_grad.graphs else (
                     self.aot_graphs[-1] if backend == "aot_eager" and self.aot_graphs else "")
@@ -179,10 +187,8 @@ class GraphDump:
                 inputs = static_inputs(gm, recorder.addresses[first_graph])
                 c["ops"] = {**c["ops"], **aten_counts(post_text)}
                 record = {
-                    "graphs": len(graphs), "graph_breaks": sum(counters["graph_break"].values()),
-                    "recompiles": recompiles, "compile_s": round(decoder.compile_seconds[bucket], 3),
+                    **timing, "graphs": len(graphs), "graph_folder": f"bucket-{bucket}",
                     "sconv_calls": c["sconv_calls"], "pool_copies": len(copies), "ops": c["ops"],
-                    "dynamo_frames": len(get_compilation_metrics()) - first_metric,
                     "static_inputs": len(inputs), "unstable_inputs": sum(r["stable"] == "no" for r in inputs),
                 }
                 if device == "cuda":
@@ -222,21 +228,22 @@ def _write_bucket(folder: Path, gm, post_text: str, codes: list[str], guards: st
 
 
 def capture_table(summary: dict) -> str:
-    rows = ["| bucket | compile s | graphs | graph breaks | recompiles |", "|---|---|---|---|---|"]
+    rows = ["| bucket | graph | compile s | new graphs | graph breaks | recompiles |", "|---|---|---|---|---|---|"]
     for b, r in sorted(summary["buckets"].items(), key=lambda kv: int(kv[0])):
-        rows.append(f"| {b} | {r['compile_s']:.2f} | {r['graphs']} | {r['graph_breaks']} | {r['recompiles']} |")
+        rows.append(f"| {b} | {r['graph_folder']} | {r['compile_s']:.2f} | {r['graphs']} | {r['graph_breaks']} | "
+                    f"{r['recompiles']} |")
     return "\n".join(rows) + "\n"
 
 
 def summary_markdown(summary: dict) -> str:
     head = (f"# Decode graphs of {Path(summary['model']).name} ({summary['backend']} backend, {summary['device']})\n\n"
-            "| bucket | graphs | breaks | recompiles | compile s | sconv calls | pool copies | inkling ops | aten ops |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
+            "| bucket | graph | new graphs | breaks | recompiles | compile s | sconv calls | pool copies | inkling ops | "
+            "aten ops |\n|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
     for b, r in sorted(summary["buckets"].items(), key=lambda kv: int(kv[0])):
         ink = sum(n for op, n in r["ops"].items() if op.startswith("inkling::"))
         aten = sum(n for op, n in r["ops"].items() if op.startswith("aten::"))
-        rows.append(f"| {b} | {r['graphs']} | {r['graph_breaks']} | {r['recompiles']} | {r['compile_s']:.2f} | "
+        rows.append(f"| {b} | {r['graph_folder']} | {r['graphs']} | {r['graph_breaks']} | {r['recompiles']} | {r['compile_s']:.2f} | "
                     f"{r['sconv_calls']} | {r['pool_copies']} | {ink} | {aten} |")
     return head + "\n".join(rows) + "\n"
 
@@ -249,7 +256,7 @@ def diff_dumps(a: str | Path, b: str | Path) -> list[str]:
     changes += [f"bucket {k}: only in {b}" for k in sorted(set(sb) - set(sa), key=int)]
     for k in sorted(set(sa) & set(sb), key=int):
         ra, rb = sa[k], sb[k]
-        for field in ("graphs", "graph_breaks", "recompiles", "sconv_calls", "pool_copies"):
+        for field in ("graph_folder", "graphs", "graph_breaks", "recompiles", "sconv_calls", "pool_copies"):
             if ra[field] != rb[field]:
                 changes.append(f"bucket {k}: {field} {ra[field]} -> {rb[field]}")
         for op in sorted(set(ra["ops"]) | set(rb["ops"])):

@@ -128,14 +128,18 @@ def markdown_table(results: dict, engines: list[str]) -> str:
 
 
 def compile_times(config: str, max_batch_size: int = 32) -> dict:
-    """Cold (empty inductor cache) and warm (same cache, new process) warm-up of every default bucket."""
+    """Cold (empty inductor cache) and warm (same cache, new process) warm-up of every default bucket:
+    seconds per bucket, to a ready engine (`total_s`, from the start of the process's imports) and to
+    its first generated token (`first_token_s`)."""
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = build_tiny_checkpoint(Path(tmp) / config, config)
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"), "OMP_NUM_THREADS": "1"}
         script = ("import json, sys, time, torch; torch.set_num_threads(1); t = time.perf_counter(); "
                   "from inkling_compiled.engine import Engine; "
                   f"e = Engine.from_pretrained(sys.argv[1], max_batch_size={max_batch_size}, progress=False); "
-                  "print(json.dumps({'buckets': e.decoder.compile_seconds, 'total_s': time.perf_counter() - t}))")
+                  "ready = time.perf_counter() - t; e.generate([3, 4, 5]); "
+                  "print(json.dumps({'buckets': e.decoder.compile_seconds, 'graphs': e.decoder.graphs(), "
+                  "'total_s': ready, 'first_token_s': time.perf_counter() - t}))")
         out = {}
         for phase in ("cold", "warm"):
             run = subprocess.run([sys.executable, "-c", script, str(ckpt)], env=env, capture_output=True, text=True,

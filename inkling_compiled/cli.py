@@ -1,4 +1,4 @@
-"""`inkling-compiled`: demo, generate, bench, dump-graphs, profile."""
+"""`inkling-compiled`: demo, generate, bench, roofline, dump-graphs, profile."""
 
 from __future__ import annotations
 
@@ -98,7 +98,11 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)  # checked before loading
     torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained(args.model, **_engine_args(args))
+    # Compile only the graph this batch starts in; a smaller bucket (requests finishing early) compiles
+    # on first use.
+    engine = Engine.from_pretrained(args.model, warmup=False, progress=not args.quiet, **_engine_args(args))
+    if engine.decoder is not None:
+        engine.warm_up([engine.decoder.bucket_for(min(len(prompts), engine.decoder.largest))])
     outs, seconds = _run_engine(engine, prompts, params, show_progress=not args.quiet)
     for out in outs:
         print(printable(out.text) if out.text is not None and not args.token_ids else out.token_ids)
@@ -175,6 +179,17 @@ def _profile(args: argparse.Namespace) -> int:
     print("per conv stream (us):", {k: round(v) for k, v in summary["per_stream_us"].items()})
     print("prep vs compute (us):", {k: round(v) for k, v in summary["phases_us"].items()})
     print(f"wrote {out}/summary.png" if summary["png"] else "no summary.png: matplotlib is not installed")
+    return 0
+
+
+def _roofline(args: argparse.Namespace) -> int:
+    import torch
+
+    from .roofline import roofline, roofline_table
+
+    torch.set_num_threads(1)
+    rows = [r for c in args.configs for r in roofline(c, args.batches, context=args.context)]
+    print(roofline_table(rows), end="")
     return 0
 
 
@@ -265,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile-times", nargs="*", default=[], metavar="CONFIG",
                        help="also time cold and warm warm-up of all default buckets for these configs")
     bench.set_defaults(run=_bench)
+    roof = sub.add_parser("roofline", help="this machine's bandwidth and matmul rate, each batch's floor, and "
+                                           "how close the compiled decode step gets")
+    roof.add_argument("--configs", nargs="+", default=["small"], choices=sorted(TINY_CONFIGS),
+                      help="tiny checkpoint configs to run")
+    roof.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32], help="batch sizes")
+    roof.add_argument("--context", type=positive_int, default=128,
+                      help="tokens in each sequence's cache (prompt = context - 64, then 64 new tokens)")
+    roof.set_defaults(run=_roofline)
     dump = sub.add_parser("dump-graphs", help="write each bucket's graphs, code, guards and op census as text")
     dump.add_argument("--model", help="checkpoint folder")
     dump.add_argument("--out", help="output folder")

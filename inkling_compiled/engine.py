@@ -16,6 +16,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable, Sequence
@@ -32,6 +33,7 @@ from .kv_layout import pages_for
 from .loading import load_model, resolve_device
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
+from .progress import StageLog
 from .requests import Request, RequestOutput, prompt_ids, prompt_list
 from .runner import CompiledRunner, DecodeStep, EagerRunner, StepOutput
 from .sampling import SamplingParams
@@ -55,12 +57,12 @@ class Engine:
                  max_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, compile_backend: str = "inductor",
                  compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
-                 cpp_wrapper: bool | None = None, layer_transfer: bool = False, warmup: bool = True,
-                 progress: bool = True):
+                 cpp_wrapper: bool | None = None, graph_per_bucket: bool = False, layer_transfer: bool = False,
+                 warmup: bool = True, progress: bool = True):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
-        for name, flag in (("compile", compile), ("layer_transfer", layer_transfer), ("warmup", warmup),
-                           ("progress", progress)):
+        for name, flag in (("compile", compile), ("graph_per_bucket", graph_per_bucket),
+                           ("layer_transfer", layer_transfer), ("warmup", warmup), ("progress", progress)):
             option_bool(name, flag)
         self.device = resolve_device(device)
         self.max_batch_size = option_int("max_batch_size", max_batch_size)
@@ -88,15 +90,15 @@ class Engine:
             self.decoder = CompiledDecoder(DecodeStep(model, self.backend), self.backend.prepare_padding,
                                            device=self.device, buckets=buckets,
                                            compile_backend=compile_backend, mode=compile_mode,
-                                           cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper)
+                                           cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper,
+                                           graph_per_bucket=graph_per_bucket,
+                                           guarded_sources=DecodeStep.PER_STEP_SOURCES)
+            self.backend.buffers.symbolic_rows = self.decoder.symbolic_rows
             self.runner = CompiledRunner(model, self.backend, self.decoder)
         else:
             self.runner = EagerRunner(model, self.backend)
         # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
         self.torch_state = PinnedTorchState()
-        if compile and warmup:
-            with self.torch_state.pinned():
-                self.decoder.warmup(progress=progress)
         self._lock = threading.RLock()
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -106,6 +108,9 @@ class Engine:
         self._known: set[str] = set()  # ids of requests whose final output has not been returned yet
         self._owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> the generate() call awaiting it
         self._undelivered: dict[str, RequestOutput] = {}  # outputs generate() stepped past, for step() to return
+        self._progress = progress
+        if compile and warmup:
+            self.warm_up()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype=None, compile: bool = True,
@@ -116,6 +121,24 @@ class Engine:
         model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite)
         return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
                    max_batch_size=max_batch_size, **kwargs)
+
+    def warm_up(self, buckets: Sequence[int] | None = None) -> dict[int, float]:
+        """Compiles (or loads from the cache) the decode graphs of `buckets` (default: all) now, rather
+        than on their first use; seconds per bucket. Engines built with warmup=True (the default) have
+        done this for every bucket; a bucket never warmed up compiles on first use."""
+        if self.decoder is None:
+            return {}
+        if buckets is not None:
+            buckets = tuple(buckets)
+            if any(b not in self.decoder.buckets for b in buckets):
+                raise OptionError(f"buckets {buckets!r} are not all among the engine's buckets {self.decoder.buckets}")
+        stages = StageLog(self._progress)
+        t0 = time.perf_counter()
+        with self._lock, self.torch_state.pinned():
+            seconds = self.decoder.warmup(progress=stages, buckets=buckets)
+        stages.finish(f"decode step ready: {len(self.decoder.graphs())} graph(s) for buckets "
+                      f"{', '.join(map(str, sorted(self.decoder.graph_of)))} in {time.perf_counter() - t0:.1f} s")
+        return seconds
 
     # ---- requests ---------------------------------------------------------------------------------
 

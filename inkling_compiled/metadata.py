@@ -93,6 +93,9 @@ class StepBuffers:
         # Leading slices of the buffers, made once per length: a compiled step then sees the very same
         # tensor objects (and addresses) every time it replays its bucket.
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        # Set by a compiled decoder that serves many batch sizes with one graph: slices of two rows or
+        # more are then marked with a symbolic leading dimension bounded by this many rows.
+        self.symbolic_rows: int | None = None
         # On CPU the host memory is the buffers themselves; elsewhere a host copy is staged, then copied over.
         self._staging = self.tensors if self.device.type == "cpu" else {
             name: torch.zeros_like(t, device="cpu") for name, t in self.tensors.items()}
@@ -117,6 +120,9 @@ class StepBuffers:
             view = self._views.get((name, n))
             if view is None:
                 view = self._views[(name, n)] = buf[:n]
+                extra = spec.extra if isinstance(spec, PerRow) else 0
+                if self.symbolic_rows is not None and 2 <= n - extra <= self.symbolic_rows:
+                    torch._dynamo.mark_dynamic(view, 0, min=2 + extra, max=self.symbolic_rows + extra)
             if self._staging is not self.tensors:
                 view.copy_(self._staging[name][:n], non_blocking=True)
             setattr(md, name, view)

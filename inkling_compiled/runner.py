@@ -36,6 +36,10 @@ class DecodeStep(nn.Module):
     """The step as a module for the compiler: parameters, pools and metadata are all reached through
     `self`, which makes them static inputs (fixed addresses) for Dynamo and for CUDA graphs."""
 
+    # What Dynamo's guards must watch: the metadata is the one thing the step reads that changes between
+    # steps (its tensors' sizes per bucket). Parameters, pool and module structure are fixed for life.
+    PER_STEP_SOURCES = ("self.backend.metadata",)
+
     def __init__(self, model: InklingForCausalLM, backend: StepBackend):
         super().__init__()
         self.model = model
@@ -87,5 +91,5 @@ class CompiledRunner(EagerRunner):
             bucket = self.decoder.bucket_for(len(chunk))
             self._prepare_decode(chunk, pad_to=bucket)
             with nvtx_range(f"replay bucket {bucket} ({len(chunk)} rows)"):
-                parts.append([t[: len(chunk)] for t in self.decoder.run()])
+                parts.append([t[: len(chunk)] for t in self.decoder.run(bucket)])
         return StepOutput(*(torch.cat(ts) for ts in zip(*parts)))

@@ -201,7 +201,7 @@ def test_engine_options_out_of_range_are_named(kwargs, needle, checkpoint):
 
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(compile_mode="bogus"), "unknown compile mode 'bogus'"),
-    (dict(compile_mode="max-autotune", cpp_wrapper=True), "cpp_wrapper=True and a compile mode"),
+    (dict(graph_per_bucket="yes"), "graph_per_bucket must be True or False, got .yes."),
     (dict(buckets=5), "buckets must be integers in 1..max_batch_size=4, got 5"),
     (dict(compile="no"), "compile must be True or False, got 'no'"),
 ])

@@ -121,3 +121,47 @@ def test_an_unwritable_output_folder_is_one_error_line(checkpoint, tmp_path, cap
     assert main(["profile", "--model", str(checkpoint("tiny")), "--out", str(blocker / "sub"), "--no-compile",
                  "--steps", "1", "--batch", "1"]) == 2
     one_error_line(capsys.readouterr().err, "error: [Errno")
+
+
+def test_generate_compiles_only_the_bucket_it_starts_in_and_says_so(checkpoint, capsys):
+    """Two prompts: bucket 2's graph, no other; each start-up stage is a line on stderr off a terminal."""
+    assert main(["generate", "--model", str(checkpoint("tiny")), "--prompt", "5,6,7", "--prompt", "8,9",
+                 "--token-ids", "--max-new-tokens", "3", "--ignore-eos", "--compile-backend", "eager"]) == 0
+    err = capsys.readouterr().err
+    stages = [line for line in err.splitlines() if line.startswith("inkling-compiled: ")]
+    assert stages[0] == "inkling-compiled: compiling the decode step: bucket 2"
+    assert "decode step ready: 1 graph(s) for buckets 2 in" in stages[1]
+    assert not any("bucket 1" in line or "bucket 4" in line for line in stages)
+
+
+def test_stage_log_draws_in_place_on_a_terminal_and_writes_lines_elsewhere():
+    import io
+
+    from inkling_compiled.progress import StageLog
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    pipe, tty = io.StringIO(), Terminal()
+    for stream in (pipe, tty):
+        log = StageLog(stream=stream)
+        log("compiling", 1, 3)
+        log.finish("ready")
+    assert pipe.getvalue() == "inkling-compiled: compiling\ninkling-compiled: ready\n"
+    assert tty.getvalue() == "\r\033[Kcompiling [#..]\r\033[Kready\n"
+    quiet = io.StringIO()
+    StageLog(False, stream=quiet)("compiling")
+    assert quiet.getvalue() == ""
+
+
+def test_roofline_prints_the_machine_and_each_batch_against_its_floor(capsys):
+    assert main(["roofline", "--configs", "tiny", "--batches", "1", "2", "--context", "72"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "GB/s weight streaming" in out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| tiny |")]
+    assert [int(r[1]) for r in rows] == [1, 2]
+    for r in rows:
+        mbytes, floor_ms, ms, ratio = float(r[3]), float(r[6]), float(r[7]), float(r[10])
+        assert mbytes > 0 and floor_ms > 0 and ms > 0
+        assert ratio == pytest.approx(floor_ms / ms, rel=0.05, abs=0.01)

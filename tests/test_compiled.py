@@ -34,26 +34,69 @@ def compiled_engine(checkpoint, name, **kw):
 
 # ---- structure on cheap backends -------------------------------------------------------------------
 
+def _full_sconv_census(gm, layers: int) -> None:
+    c = census(gm)
+    assert c["sconv_calls"] == 4 * layers
+    sconv = [(x["layer"], x["stream"]) for x in c["custom_calls"] if x["op"] == "inkling::sconv_decode"]
+    assert sorted(sconv) == sorted((layer, s) for layer in range(layers) for s in STREAM_NAMES)
+    assert c["ops"]["inkling::kv_write"] == layers
+    assert c["ops"].get("inkling::sconv_extend", 0) == 0
+    assert c["ops"].get("inkling::wait_layer", 0) == 0  # no HiCache barrier unless asked for
+
+
+def _symbolic_batch(gm) -> bool:
+    """Whether the graph's metadata inputs have a symbolic leading (batch) dimension."""
+    sizes = [n.meta["example_value"].shape[0] for n in gm.graph.find_nodes(op="placeholder")
+             if "metadata" in n.name and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    assert sizes
+    return all(isinstance(s, torch.SymInt) for s in sizes)
+
+
 @pytest.mark.parametrize("name, inner", [("tiny", "eager"), ("tiny-k3", "eager"), ("tiny", "aot_eager")])
-def test_one_graph_per_bucket_no_breaks_and_a_full_sconv_census(name, inner, checkpoint):
+def test_one_symbolic_graph_serves_every_bucket_no_breaks_and_a_full_sconv_census(name, inner, checkpoint):
+    """Default buckets 1..32: bucket 1 is its own static graph, one graph with a symbolic batch serves
+    2..32; any batch in that range runs on it without a recompile."""
     recorder = GraphRecorder(inner)
     engine = compiled_engine(checkpoint, name, max_batch_size=32, compile_backend=recorder)
     layers = engine.config.num_hidden_layers
     assert engine.decoder.buckets == DEFAULT_BUCKETS
-    assert len(recorder.graphs) == len(DEFAULT_BUCKETS)
+    assert engine.decoder.graphs() == [(1,), (2, 4, 8, 16, 32)]
+    assert len(recorder.graphs) == 2
     assert not torch._dynamo.utils.counters["graph_break"]
+    assert [_symbolic_batch(gm) for gm in recorder.graphs] == [False, True]
     for gm in recorder.graphs:
-        c = census(gm)
-        assert c["sconv_calls"] == 4 * layers
-        sconv = [(x["layer"], x["stream"]) for x in c["custom_calls"] if x["op"] == "inkling::sconv_decode"]
-        assert sorted(sconv) == sorted((layer, s) for layer in range(layers) for s in STREAM_NAMES)
-        assert c["ops"]["inkling::kv_write"] == layers
-        assert c["ops"].get("inkling::sconv_extend", 0) == 0
-        assert c["ops"].get("inkling::wait_layer", 0) == 0  # no HiCache barrier unless asked for
+        _full_sconv_census(gm, layers)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    engine.backend.prepare_padding(3)  # not a bucket, inside the symbolic range: no new graph
+    tokens = engine.decoder.run(4)[0]
+    assert tokens.shape == (3,) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+def test_graph_per_bucket_compiles_each_bucket_and_refuses_other_sizes(checkpoint):
+    recorder = GraphRecorder("eager")
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=8, compile_backend=recorder, graph_per_bucket=True)
+    assert engine.decoder.graphs() == [(1,), (2,), (4,), (8,)]
+    assert not any(_symbolic_batch(gm) for gm in recorder.graphs)
+    for gm in recorder.graphs:
+        _full_sconv_census(gm, engine.config.num_hidden_layers)
     # after warm-up, a shape outside the buckets must not silently compile a new graph
     engine.backend.prepare_padding(3)
     with pytest.raises(CompileError, match=r"(?s)would recompile after warm-up.*size mismatch"):
-        engine.decoder.run()
+        engine.decoder.run(4)
+
+
+def test_lazy_engine_compiles_a_bucket_on_first_use(checkpoint):
+    recorder = GraphRecorder("eager")
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=8, compile_backend=recorder, warmup=False)
+    assert engine.decoder.graphs() == [] and not recorder.graphs
+    eager = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=8)
+    prompts = [random_prompt(5 + i, seed=i) for i in range(3)]
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == \
+        [o.token_ids for o in eager.generate(prompts, GREEDY)]
+    assert engine.decoder.graphs() == [(4,)]  # three rows: bucket 4, the symbolic graph
+    assert engine.warm_up([1]) and engine.decoder.graphs() == [(4,), (1,)]
+    with pytest.raises(Exception, match="not all among the engine's buckets"):
+        engine.warm_up([3])
 
 
 def test_compile_backend_errors(checkpoint):

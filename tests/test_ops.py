@@ -27,6 +27,62 @@ def test_native_kernels_are_in_use():
     assert "inkling_cpu.cpp" in torch._C._dispatch_dump("inkling::sconv_decode")
 
 
+def test_importing_builds_nothing_and_the_first_call_swaps_the_cpp_kernels_in(tmp_path):
+    """Import and `--help` never wait for a compiler: until a covered op is first called on CPU, its CPU
+    key holds a stand-in from library.py; the call itself then runs on the C++ kernel."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, inkling_compiled.cli as cli, inkling_compiled.custom_ops.library as lib\n"
+        "cli.build_parser()\n"
+        "before = lib._native, 'library.py' in torch._C._dispatch_dump('inkling::linear').split('CPU:')[1]\n"
+        "y = torch.ops.inkling.linear(torch.ones(1, 8), torch.ones(3, 8))\n"
+        "print(before, lib._native, 'inkling_cpu.cpp' in torch._C._dispatch_dump('inkling::linear'), y.tolist())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["(None,", "True)", "True", "True", "[[8.0,", "8.0,", "8.0]]"]
+
+
+def test_the_extension_folder_is_keyed_by_source_flags_torch_and_interpreter(monkeypatch):
+    from inkling_compiled.custom_ops import library
+
+    here = library.extension_dir()
+    assert here == library.extension_dir()
+    monkeypatch.setattr(library.sys, "executable", "/some/other/venv/bin/python")
+    assert library.extension_dir() != here
+    monkeypatch.undo()
+    monkeypatch.setattr(library, "_build_flags", lambda: ["-O2"])
+    assert library.extension_dir() != here
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_every_instruction_set_build_of_the_matmul_matches_f_linear(isa):
+    """The loader picks the widest build this CPU runs; the others are forced here (and the row limit
+    raised so every row count takes the kernel), each against F.linear."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, torch.nn.functional as F\n"
+        "from inkling_compiled.custom_ops.library import cpu_isa\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "worst = 0.0\n"
+        "for o, h in [(96, 40), (37, 19), (64, 48)]:\n"
+        "    for column_major in (False, True):\n"
+        "        w = torch.randn(o, h, generator=g)\n"
+        "        w = w.t().contiguous().t() if column_major else w\n"
+        "        for rows in (1, 2, 3, 4, 5, 9):\n"
+        "            x = torch.randn(rows, h, generator=g)\n"
+        "            worst = max(worst, (torch.ops.inkling.linear(x, w) - F.linear(x, w)).abs().max().item())\n"
+        "print(cpu_isa(), worst)")
+    env = {**os.environ, "INKLING_CPU_ISA": isa, "INKLING_FEW_ROWS": "64"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    chosen, worst = done.stdout.split()
+    assert chosen in (isa, "portable")  # a CPU without AVX2 falls back to the portable build
+    assert float(worst) < 1e-4
+
+
 def registered(op: str, key: str) -> str:
     """Where the dispatcher's kernel for (op, key) was registered, e.g. '.../kv.py:28'."""
     line = next(x for x in torch._C._dispatch_dump(f"inkling::{op}").splitlines() if x.startswith(f"{key}:"))

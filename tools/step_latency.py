@@ -35,7 +35,7 @@ def main() -> None:
             for b in d.buckets:
                 def step():
                     engine.backend.prepare_padding(b)
-                    return d.run()
+                    return d.run(b)
 
                 for _ in range(3):
                     step()

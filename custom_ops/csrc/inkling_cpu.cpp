@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <string>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -255,13 +256,122 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   return out;
 }
 
-// y[n, O] = x[n, H] @ W^T for a handful of rows, W given as [O, H] with either layout: reads W once.
-// MKL's small-M GEMMs stream the weight well below memory bandwidth; this loop comes much closer
-// (the README's benchmarks measure it).
-// (AVX2 clone chosen at load time where the CPU has it.)
-__attribute__((target_clones("avx2", "default")))
-void few_rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
-                     float* y) {
+// ---- small-M matmul: y[n, O] = x[n, H] @ W^T, W given as [O, H] in either memory layout ----------
+// Decode multiplies a few to a few dozen rows by each weight: the weight should stream from memory
+// once, at bandwidth, while every loaded weight vector is used for several rows. MKL's small-M GEMMs
+// do neither well here (the README's roofline table measures it). Rows go in blocks of up to 4 that
+// share each weight load; the accumulators of a block stay in registers.
+//
+// Built once per instruction set (AVX-512, AVX2 + FMA, portable) and picked once, at load, for the
+// CPU it runs on (INKLING_CPU_ISA=avx512|avx2|portable forces one); multiply-adds may fuse here,
+// unlike in the conv kernels, which must round exactly as their references do.
+#define INKLING_INLINE static inline __attribute__((always_inline))
+
+// 16 floats; each clone lowers it to its own registers (one zmm, two ymm, four xmm). Loads and stores
+// go through memcpy: nothing here is aligned.
+#pragma GCC diagnostic ignored "-Wpsabi"  // vec16 never crosses a call: every helper is inlined
+typedef float vec16 __attribute__((vector_size(64)));
+INKLING_INLINE vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+INKLING_INLINE void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
+
+// W rows contiguous ([O, H] row-major): R rows x C outputs of dot products, 16-wide partial sums.
+template <int R, int C>
+INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t w_o, int64_t O, float* y) {
+  vec16 acc[R][C] = {};
+  int64_t h = 0;
+  for (; h + 16 <= H; h += 16) {
+    vec16 xv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xv[r] = load16(x + r * H + h);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const vec16 wv = load16(w + c * w_o + h);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][c] += xv[r] * wv;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float total = 0.0f;
+      for (int j = 0; j < 16; ++j) total += acc[r][c][j];
+      for (int64_t t = h; t < H; ++t) total += x[r * H + t] * w[c * w_o + t];
+      y[r * O + c] = total;
+    }
+}
+
+// W columns contiguous (W^T stored [H, O] row-major): R rows x 16*V outputs, accumulated over h.
+template <int R, int V>
+INKLING_INLINE void axpy_block(const float* x, int64_t H, const float* w, int64_t w_h, int64_t O, float* y) {
+  vec16 acc[R][V] = {};
+  for (int64_t h = 0; h < H; ++h) {
+    const float* wh = w + h * w_h;
+    vec16 wv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) wv[v] = load16(wh + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * H + h];
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] += xs * wv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store16(y + r * O + 16 * v, acc[r][v]);
+}
+
+// The columns past the last full 16 (W^T layout): plain loops.
+INKLING_INLINE void axpy_tail(const float* x, int R, int64_t H, const float* w, int64_t w_h, int64_t O, int64_t width,
+                              float* y) {
+  for (int r = 0; r < R; ++r)
+    for (int64_t o = 0; o < width; ++o) {
+      float total = 0.0f;
+      for (int64_t h = 0; h < H; ++h) total += x[r * H + h] * w[h * w_h + o];
+      y[r * O + o] = total;
+    }
+}
+
+template <int R>
+INKLING_INLINE void matmul_row_block(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
+                                     float* y) {
+  if (w_h == 1) {
+    int64_t o = 0;
+    for (; o + 4 <= O; o += 4) dot_block<R, 4>(x, H, w + o * w_o, w_o, O, y + o);
+    for (; o < O; ++o) dot_block<R, 1>(x, H, w + o * w_o, w_o, O, y + o);
+    return;
+  }
+  int64_t o = 0;
+  for (; o + 32 <= O; o += 32) axpy_block<R, 2>(x, H, w + o, w_h, O, y + o);
+  for (; o + 16 <= O; o += 16) axpy_block<R, 1>(x, H, w + o, w_h, O, y + o);
+  if (o < O) axpy_tail(x, R, H, w + o, w_h, O, O - o, y + o);
+}
+
+INKLING_INLINE void rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
+                                int64_t w_h, float* y) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) matmul_row_block<4>(x + r * H, H, w, O, w_o, w_h, y + r * O);
+  switch (n - r) {
+    case 3: matmul_row_block<3>(x + r * H, H, w, O, w_o, w_h, y + r * O); break;
+    case 2: matmul_row_block<2>(x + r * H, H, w, O, w_o, w_h, y + r * O); break;
+    case 1: matmul_row_block<1>(x + r * H, H, w, O, w_o, w_h, y + r * O); break;
+    default: break;
+  }
+}
+
+#define INKLING_MATMUL_FOR(isa_name, features)                                                              \
+  __attribute__((target(features), optimize("fp-contract=fast"))) void rows_matmul_##isa_name(              \
+      const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h, float* y) { \
+    rows_matmul(x, n, H, w, O, w_o, w_h, y);                                                                 \
+  }
+INKLING_MATMUL_FOR(avx512, "avx512f,avx512vl,avx2,fma")
+INKLING_MATMUL_FOR(avx2, "avx2,fma")
+
+// Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE.
+void rows_matmul_portable(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
+                          float* y) {
   constexpr int64_t L = 16;
   if (w_h == 1) {  // rows of W contiguous: one dot product per (row, output)
     for (int64_t o = 0; o < O; ++o) {
@@ -280,8 +390,7 @@ void few_rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64
     }
     return;
   }
-  // columns of W contiguous (W^T stored row-major): accumulate x[r, h] * W^T[h, :] into y[r, :]
-  std::fill(y, y + n * O, 0.0f);
+  std::fill(y, y + n * O, 0.0f);  // columns of W contiguous: y[r, :] += x[r, h] * W^T[h, :]
   for (int64_t h = 0; h < H; ++h) {
     const float* wh = w + h * w_h;
     for (int64_t r = 0; r < n; ++r) {
@@ -292,11 +401,50 @@ void few_rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64
   }
 }
 
+using MatmulKernel = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+
+struct MatmulChoice {
+  const char* isa;
+  MatmulKernel kernel;
+};
+
+MatmulChoice choose_matmul() {
+  __builtin_cpu_init();
+  const char* forced = std::getenv("INKLING_CPU_ISA");
+  const std::string want = forced ? forced : "";
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("fma");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if ((want.empty() || want == "avx512") && avx512) return {"avx512", rows_matmul_avx512};
+  if ((want.empty() || want == "avx512" || want == "avx2") && avx2) return {"avx2", rows_matmul_avx2};
+  return {"portable", rows_matmul_portable};
+}
+
+const MatmulChoice& matmul_choice() {
+  static const MatmulChoice choice = choose_matmul();
+  return choice;
+}
+
+void few_rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
+                     float* y) {
+  matmul_choice().kernel(x, n, H, w, O, w_o, w_h, y);
+}
+
+// Up to how many rows a projection or an expert takes the kernel above; past it MKL's GEMM wins on
+// the machines measured (tools/bench_matmul.py, which raises it through INKLING_FEW_ROWS to compare).
+int64_t few_rows() {
+  static const int64_t limit = [] {
+    const char* set = std::getenv("INKLING_FEW_ROWS");
+    return set ? std::max<int64_t>(0, std::atoll(set)) : int64_t{4};
+  }();
+  return limit;
+}
+
 // Routed experts: tokens grouped by expert (stable), each chosen expert's weights read once. Experts
 // with few rows (decode) run the loops above; busier ones (prefill) go through ATen's GEMM.
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::Tensor& weights,
                        const at::Tensor& gate_up, const at::Tensor& down) {
-  constexpr int64_t kFewRows = 16;
+  const int64_t kFewRows = few_rows();
   const auto ids = expert_ids.to(at::kLong).contiguous();
   const auto x = x_in.contiguous();
   const int64_t T = ids.size(0), k = ids.size(1), E = gate_up.size(0), H = x.size(1), I = down.size(2);
@@ -351,7 +499,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
 
 // y = x @ W^T; a few fp32 rows (decode) through few_rows_matmul, anything else through ATen.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight) {
-  constexpr int64_t kFewRows = 16;
+  const int64_t kFewRows = few_rows();
   const int64_t H = x_in.size(-1), O = weight.size(0);
   const int64_t n = H ? x_in.numel() / H : 0;
   const bool fast = x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && n <= kFewRows &&
@@ -401,6 +549,9 @@ at::Tensor top_k_top_p(const at::Tensor& scaled_in, const at::Tensor& top_k, con
 }
 
 }  // namespace
+
+// Which matmul build the loader picked, for Python (ctypes) to report.
+extern "C" const char* inkling_cpu_isa() { return matmul_choice().isa; }
 
 TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("sconv_decode", &sconv_decode);
