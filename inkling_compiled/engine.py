@@ -92,7 +92,7 @@ class Engine:
                                            compile_backend=compile_backend, mode=compile_mode,
                                            cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper,
                                            graph_per_bucket=graph_per_bucket,
-                                           guarded_sources=DecodeStep.PER_STEP_SOURCES)
+                                           guarded_sources=DecodeStep.GUARDED_SOURCES)
             self.backend.buffers.symbolic_rows = self.decoder.symbolic_rows
             self.runner = CompiledRunner(model, self.backend, self.decoder)
         else:

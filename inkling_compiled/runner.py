@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import torch
 from torch import nn
@@ -32,20 +34,28 @@ def forward_step(model: InklingForCausalLM, backend: StepBackend) -> tuple[torch
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top.indices, top.values
 
 
+_STEPS = itertools.count()
+
+
 class DecodeStep(nn.Module):
     """The step as a module for the compiler: parameters, pools and metadata are all reached through
     `self`, which makes them static inputs (fixed addresses) for Dynamo and for CUDA graphs."""
 
-    # What Dynamo's guards must watch: the metadata is the one thing the step reads that changes between
-    # steps (its tensors' sizes per bucket). Parameters, pool and module structure are fixed for life.
-    PER_STEP_SOURCES = ("self.backend.metadata",)
+    # What Dynamo's guards must watch (every other guard is dropped, see graphs.capture.guard_filter):
+    # the metadata, the one thing the step reads that changes between steps (its sizes per bucket),
+    # and which step this is. Parameters, pool and module structure are fixed for a step's life, but two
+    # steps (two engines in one process) may share Dynamo's cache: the instance number keeps them apart.
+    GUARDED_SOURCES = ("self.backend.metadata", "self.instance")
 
     def __init__(self, model: InklingForCausalLM, backend: StepBackend):
         super().__init__()
         self.model = model
         self.backend = backend
+        self.instance = next(_STEPS)  # counts from 0 in every process, so caches on disk still match
 
     def forward(self) -> tuple[torch.Tensor, ...]:
+        if self.instance < 0:  # never true: the test makes Dynamo guard on the instance number
+            raise AssertionError(self.instance)
         return forward_step(self.model, self.backend)
 
 

@@ -85,6 +85,25 @@ def test_graph_per_bucket_compiles_each_bucket_and_refuses_other_sizes(checkpoin
         engine.decoder.run(4)
 
 
+@pytest.mark.parametrize("second", [dict(name="tiny", num_pages=40), dict(name="tiny-k3")])
+def test_two_engines_in_one_process_never_share_a_graph(second, checkpoint):
+    """Dynamo's cache is per code object and torch.compile calls with equal options share it; the
+    guards watch only the step metadata and the step's instance number. Each engine must still compile
+    and run its own graphs (they bake in its model and pool), whether the second differs in pool size
+    or in model."""
+    second = dict(second)
+    name = second.pop("name")
+    first = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), compile_backend="eager")
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    other = compiled_engine(checkpoint, name, max_batch_size=4, buckets=(1, 4), compile_backend="eager", **second)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames + 2
+    prompts = [random_prompt(4 + i, seed=40 + i) for i in range(3)]
+    for engine, model in ((first, "tiny"), (other, name)):
+        eager = Engine.from_pretrained(checkpoint(model), compile=False, max_batch_size=4)
+        assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == \
+            [o.token_ids for o in eager.generate(prompts, GREEDY)]
+
+
 def test_lazy_engine_compiles_a_bucket_on_first_use(checkpoint):
     recorder = GraphRecorder("eager")
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=8, compile_backend=recorder, warmup=False)
