@@ -2,8 +2,8 @@
 
 The whole step (embedding, every layer, final norm, lm_head, sampling and logprobs) is
 `torch.compile(fullgraph=True, dynamic=False)`: a graph break is an error. The batch dimension is
-symbolic, bounded by the largest bucket, so one graph serves buckets 2 and up; bucket 1 gets its own
-static graph (`graph_per_bucket=True` gives every bucket its own). On CUDA the inductor backend runs
+symbolic, so one graph serves every bucket (`specialize_batch_one=True` gives bucket 1 a static graph
+of its own, `graph_per_bucket=True` every bucket). On CUDA the inductor backend runs
 with `mode="reduce-overhead"`, which records one CUDA graph per bucket from that code; on CPU it is
 plain inductor with its C++ launch wrapper. A bucket compiles on first use unless warmed up; after
 that, a recompile is an error that names the guard that failed. Dynamo's guards watch only the per-step
@@ -77,20 +77,25 @@ def default_compile_cache_dir() -> Path:
 class CompiledDecoder:
     """The decode step compiled for a set of batch buckets; `run(bucket)` replays one.
 
-    By default the batch dimension is symbolic: one graph serves every bucket of two rows or more (the
-    step's metadata slices are marked dynamic by whoever prepares them, see `StepBuffers.symbolic_rows`)
-    and bucket 1 gets its own static graph (Dynamo specialises a size of one anyway, and a single row
-    is the GEMV case). `graph_per_bucket=True` compiles every bucket as its own static graph instead.
-    Under CUDA graphs each bucket is still recorded as its own CUDA graph from the shared compiled code.
+    By default the batch dimension is symbolic and one graph serves every bucket: whoever prepares the
+    step's metadata marks its slices for the batch sizes in `symbolic_batch` (see
+    `StepBuffers.symbolic_batch`; unbacked, since Dynamo would specialise a size of one).
+    `specialize_batch_one=True` keeps bucket 1 out of it, as a static graph of its own (the
+    single-row case, measured a little faster); `graph_per_bucket=True` compiles every bucket as its
+    own static graph. Under CUDA graphs each bucket is still recorded as its own CUDA graph.
     """
 
     def __init__(self, step: nn.Module, prepare_padding: Callable[[int], object], *, device: torch.device | str,
                  buckets: tuple[int, ...], compile_backend="inductor", mode: str | None = None,
                  cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None,
-                 graph_per_bucket: bool = False, guarded_sources: tuple[str, ...] | None = None):
+                 graph_per_bucket: bool = False, specialize_batch_one: bool = False,
+                 guarded_sources: tuple[str, ...] | None = None):
         self.step, self.prepare_padding = step, prepare_padding
         self.buckets = buckets
         self.graph_per_bucket = bool(graph_per_bucket)
+        # The batch sizes the symbolic graph serves: all of them, or all but 1 when bucket 1 gets its
+        # own static graph; None when every bucket is its own static graph.
+        self.symbolic_batch = None if graph_per_bucket else range(2 if specialize_batch_one else 1, buckets[-1] + 1)
         self.compiler = resolve_backend(compile_backend)
         device = torch.device(device)
         if mode is None and compile_backend == "inductor" and device.type == "cuda":
@@ -126,11 +131,6 @@ class CompiledDecoder:
         self.graph_of: dict[int, int] = {}  # bucket -> index of the graph that serves it (in compile order)
         self._graphs = 0
         self._symbolic_graph: int | None = None
-
-    @property
-    def symbolic_rows(self) -> int | None:
-        """The largest batch the symbolic graph serves (None when every bucket has its own graph)."""
-        return None if self.graph_per_bucket else self.largest
 
     @property
     def largest(self) -> int:
@@ -180,7 +180,7 @@ class CompiledDecoder:
         self.compile_seconds[bucket] = time.perf_counter() - t0
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames:
             self.graph_of[bucket] = self._graphs
-            if bucket >= 2 and not self.graph_per_bucket:
+            if self.symbolic_batch is not None and bucket in self.symbolic_batch:
                 self._symbolic_graph = self._graphs
             self._graphs += 1
         elif self._symbolic_graph is not None:  # a bucket the symbolic graph already covers

@@ -28,13 +28,14 @@ _IDS = re.compile(r"\b\d{9,}\b")
 _ADDRS = re.compile(r"0x[0-9a-fA-F]{6,}")
 
 
+_STEP_INSTANCE = re.compile(r"(\.instance == )\d+")  # the step's per-process number (runner.DecodeStep)
 _VOLATILE_LINES = re.compile(r"^.*Guard eval latency.*\n?", re.MULTILINE)
 _GLOBAL_COUNTERS = re.compile(r"(__[A-Za-z_]+?___)\d+")  # Dynamo's per-process global names
 
 
 def stable_text(text: str) -> str:
     """Replaces object ids, addresses and per-process counters and drops timings, which change run to run."""
-    text = _GLOBAL_COUNTERS.sub(r"\1N", _VOLATILE_LINES.sub("", text))
+    text = _STEP_INSTANCE.sub(r"\1N", _GLOBAL_COUNTERS.sub(r"\1N", _VOLATILE_LINES.sub("", text)))
     return _ADDRS.sub("<addr>", _IDS.sub("<id>", text))
 
 

@@ -57,11 +57,13 @@ class Engine:
                  max_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, compile_backend: str = "inductor",
                  compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
-                 cpp_wrapper: bool | None = None, graph_per_bucket: bool = False, layer_transfer: bool = False,
-                 warmup: bool = True, progress: bool = True):
+                 cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
+                 specialize_batch_one: bool = False, layer_transfer: bool = False, warmup: bool = True,
+                 progress: bool = True):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         for name, flag in (("compile", compile), ("graph_per_bucket", graph_per_bucket),
+                           ("specialize_batch_one", specialize_batch_one),
                            ("layer_transfer", layer_transfer), ("warmup", warmup), ("progress", progress)):
             option_bool(name, flag)
         self.device = resolve_device(device)
@@ -92,8 +94,9 @@ class Engine:
                                            compile_backend=compile_backend, mode=compile_mode,
                                            cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper,
                                            graph_per_bucket=graph_per_bucket,
+                                           specialize_batch_one=specialize_batch_one,
                                            guarded_sources=DecodeStep.GUARDED_SOURCES)
-            self.backend.buffers.symbolic_rows = self.decoder.symbolic_rows
+            self.backend.buffers.symbolic_batch = self.decoder.symbolic_batch
             self.runner = CompiledRunner(model, self.backend, self.decoder)
         else:
             self.runner = EagerRunner(model, self.backend)

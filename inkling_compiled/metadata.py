@@ -93,9 +93,10 @@ class StepBuffers:
         # Leading slices of the buffers, made once per length: a compiled step then sees the very same
         # tensor objects (and addresses) every time it replays its bucket.
         self._views: dict[tuple[str, int], torch.Tensor] = {}
-        # Set by a compiled decoder that serves many batch sizes with one graph: slices of two rows or
-        # more are then marked with a symbolic leading dimension bounded by this many rows.
-        self.symbolic_rows: int | None = None
+        # Set by a compiled decoder that serves many batch sizes with one graph: the slices of a batch
+        # size in this range get a symbolic leading dimension. A range from 1 marks it unbacked (Dynamo
+        # would otherwise specialise a size of one); from 2, dynamic with bounds.
+        self.symbolic_batch: range | None = None
         # On CPU the host memory is the buffers themselves; elsewhere a host copy is staged, then copied over.
         self._staging = self.tensors if self.device.type == "cpu" else {
             name: torch.zeros_like(t, device="cpu") for name, t in self.tensors.items()}
@@ -120,13 +121,21 @@ class StepBuffers:
             view = self._views.get((name, n))
             if view is None:
                 view = self._views[(name, n)] = buf[:n]
-                extra = spec.extra if isinstance(spec, PerRow) else 0
-                if self.symbolic_rows is not None and 2 <= n - extra <= self.symbolic_rows:
-                    torch._dynamo.mark_dynamic(view, 0, min=2 + extra, max=self.symbolic_rows + extra)
+                self._mark_symbolic(view, n - (spec.extra if isinstance(spec, PerRow) else 0), n)
             if self._staging is not self.tensors:
                 view.copy_(self._staging[name][:n], non_blocking=True)
             setattr(md, name, view)
         return md
+
+    def _mark_symbolic(self, view: torch.Tensor, rows: int, length: int) -> None:
+        batch = self.symbolic_batch
+        if batch is None or rows not in batch:
+            return
+        extra = length - rows
+        if batch.start <= 1:
+            torch._dynamo.decorators.mark_unbacked(view, 0)
+        else:
+            torch._dynamo.mark_dynamic(view, 0, min=batch.start + extra, max=batch.stop - 1 + extra)
 
     def _fill_sampling(self, sampling: list[RowSampling], rows: int) -> None:
         h, n = self._host, len(sampling)

@@ -158,12 +158,16 @@ class SharedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(S, H, I))
 
     def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
-        xs = x.unsqueeze(0).expand(self.gate_proj.shape[0], -1, -1)  # [S, T, H]
-        gate = torch.bmm(xs, self.gate_proj.transpose(1, 2))
-        up = torch.bmm(xs, self.up_proj.transpose(1, 2))
-        act = F.silu(gate) * up * gammas.t().unsqueeze(-1)  # gamma applies before down_proj
-        down = torch.bmm(act, self.down_proj.transpose(1, 2))
-        return down.float().sum(0).to(x.dtype)
+        # One expert at a time through the projection op: at decode that is the few-row kernel, and
+        # unlike bmm it lowers for a batch dimension of unknown size.
+        total = None
+        for s in range(self.gate_proj.shape[0]):
+            gate = torch.ops.inkling.linear(x, self.gate_proj[s])
+            up = torch.ops.inkling.linear(x, self.up_proj[s])
+            act = F.silu(gate) * up * gammas[:, s:s + 1]  # gamma applies before down_proj
+            down = torch.ops.inkling.linear(act, self.down_proj[s]).float()
+            total = down if total is None else total + down
+        return total.to(x.dtype)
 
 
 class MoE(nn.Module):

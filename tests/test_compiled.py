@@ -54,22 +54,28 @@ def _symbolic_batch(gm) -> bool:
 
 @pytest.mark.parametrize("name, inner", [("tiny", "eager"), ("tiny-k3", "eager"), ("tiny", "aot_eager")])
 def test_one_symbolic_graph_serves_every_bucket_no_breaks_and_a_full_sconv_census(name, inner, checkpoint):
-    """Default buckets 1..32: bucket 1 is its own static graph, one graph with a symbolic batch serves
-    2..32; any batch in that range runs on it without a recompile."""
+    """Default buckets 1..32: one graph with a symbolic batch serves them all, and any batch size up
+    to the largest bucket runs on it without a recompile."""
     recorder = GraphRecorder(inner)
     engine = compiled_engine(checkpoint, name, max_batch_size=32, compile_backend=recorder)
-    layers = engine.config.num_hidden_layers
     assert engine.decoder.buckets == DEFAULT_BUCKETS
-    assert engine.decoder.graphs() == [(1,), (2, 4, 8, 16, 32)]
-    assert len(recorder.graphs) == 2
+    assert engine.decoder.graphs() == [DEFAULT_BUCKETS]
+    assert len(recorder.graphs) == 1 and _symbolic_batch(recorder.graphs[0])
     assert not torch._dynamo.utils.counters["graph_break"]
-    assert [_symbolic_batch(gm) for gm in recorder.graphs] == [False, True]
-    for gm in recorder.graphs:
-        _full_sconv_census(gm, layers)
+    _full_sconv_census(recorder.graphs[0], engine.config.num_hidden_layers)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    engine.backend.prepare_padding(3)  # not a bucket, inside the symbolic range: no new graph
+    engine.backend.prepare_padding(3)  # not a bucket: still no new graph
     tokens = engine.decoder.run(4)[0]
     assert tokens.shape == (3,) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+def test_batch_one_specialised_is_its_own_static_graph(checkpoint):
+    recorder = GraphRecorder("eager")
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=8, compile_backend=recorder, specialize_batch_one=True)
+    assert engine.decoder.graphs() == [(1,), (2, 4, 8)]
+    assert [_symbolic_batch(gm) for gm in recorder.graphs] == [False, True]
+    for gm in recorder.graphs:
+        _full_sconv_census(gm, engine.config.num_hidden_layers)
 
 
 def test_graph_per_bucket_compiles_each_bucket_and_refuses_other_sizes(checkpoint):
@@ -95,8 +101,9 @@ def test_two_engines_in_one_process_never_share_a_graph(second, checkpoint):
     name = second.pop("name")
     first = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), compile_backend="eager")
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert frames == 1
     other = compiled_engine(checkpoint, name, max_batch_size=4, buckets=(1, 4), compile_backend="eager", **second)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames + 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and other.decoder.graphs() == [(1, 4)]
     prompts = [random_prompt(4 + i, seed=40 + i) for i in range(3)]
     for engine, model in ((first, "tiny"), (other, name)):
         eager = Engine.from_pretrained(checkpoint(model), compile=False, max_batch_size=4)
@@ -112,8 +119,9 @@ def test_lazy_engine_compiles_a_bucket_on_first_use(checkpoint):
     prompts = [random_prompt(5 + i, seed=i) for i in range(3)]
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == \
         [o.token_ids for o in eager.generate(prompts, GREEDY)]
-    assert engine.decoder.graphs() == [(4,)]  # three rows: bucket 4, the symbolic graph
-    assert engine.warm_up([1]) and engine.decoder.graphs() == [(4,), (1,)]
+    assert engine.decoder.graphs() == [(4,)] and len(recorder.graphs) == 1  # three rows: bucket 4
+    assert engine.warm_up([1]) and engine.decoder.graphs() == [(1, 4)]  # served by the same graph
+    assert len(recorder.graphs) == 1
     with pytest.raises(Exception, match="not all among the engine's buckets"):
         engine.warm_up([3])
 
@@ -136,7 +144,7 @@ def test_inductor_code_has_no_pool_sized_copies(checkpoint):
     # The Python launch wrapper (cpp_wrapper=False) prints the same buffers and calls as readable code.
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), warmup=False, cpp_wrapper=False)
     _, codes = run_and_get_code(engine.decoder.warmup)
-    assert len(codes) == 2
+    assert len(codes) == 1  # one symbolic graph for both buckets
     big = pool_shapes(engine.pool.state_tensors())
     ring = engine.pool.sliding_kv[0][0]  # one layer's ring: [(slots+1)*W, nkv, hd]
     dims = ", ".join(map(str, ring.shape))
@@ -198,7 +206,7 @@ def test_graph_inputs_keep_their_addresses_across_steps(checkpoint):
     engine.generate([random_prompt(n, seed=n) for n in (3, 9, 15)], SamplingParams(max_new_tokens=5))
     engine.generate([random_prompt(n, seed=n) for n in (4, 10, 12)], SamplingParams(max_new_tokens=5))
     engine.generate([random_prompt(5, seed=1)], SamplingParams(max_new_tokens=4))
-    assert len(recorder.graphs) == 2  # buckets 1 and 4, nothing recompiled
+    assert len(recorder.graphs) == 1  # buckets 1 and 4 share the symbolic graph; nothing recompiled
     for calls in recorder.addresses:
         assert len(calls) >= 4  # warm-up and replays
         assert all(c == calls[0] for c in calls), "a graph input moved between replays"

@@ -32,8 +32,12 @@ def dumps(tmp_path_factory, checkpoint):
 def test_dump_summary_has_the_census(dumps, checkpoint):
     root, summary, _, _ = dumps
     assert set(summary["buckets"]) == {"1", "2"}
-    for record in summary["buckets"].values():
-        assert record["graphs"] == 1 and record["graph_breaks"] == 0 and record["recompiles"] == 0
+    records = summary["buckets"]
+    assert (records["1"]["graphs"], records["2"]["graphs"]) == (1, 0)  # the symbolic graph serves both
+    assert records["1"]["graph_folder"] == records["2"]["graph_folder"] == "bucket-1"
+    assert not (root / "a" / "bucket-2").exists()
+    for record in records.values():
+        assert record["graph_breaks"] == 0 and record["recompiles"] == 0
         assert record["sconv_calls"] == 4 * 4 and record["ops"]["inkling::sconv_decode"] == 16
         assert record["pool_copies"] == 0 and record["compile_s"] > 0
         assert record["unstable_inputs"] == 0 and record["static_inputs"] > 0
