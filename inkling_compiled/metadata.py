@@ -77,6 +77,13 @@ class RowSampling(msgspec.Struct, frozen=True):
 GREEDY_PAD = RowSampling(0.0, 0, 1.0, 0, 0)  # what padded rows sample with
 
 
+def _mark_unbacked(view: torch.Tensor, shape_id: str) -> None:
+    try:
+        torch._dynamo.decorators.mark_unbacked(view, 0, shape_id=shape_id)
+    except TypeError:  # a torch without shape ids (before 2.13): one symbol per slice
+        torch._dynamo.decorators.mark_unbacked(view, 0)
+
+
 class StepBuffers:
     """The static buffers behind the one `StepMetadata`, and the prep that fills them."""
 
@@ -133,7 +140,9 @@ class StepBuffers:
             return
         extra = length - rows
         if batch.start <= 1:
-            torch._dynamo.decorators.mark_unbacked(view, 0)
+            # One unbacked symbol for every slice of the batch's length (and one for B+1): inductor then
+            # knows they are equal, fuses across them and checks it once per call.
+            _mark_unbacked(view, f"rows+{extra}")
         else:
             torch._dynamo.mark_dynamic(view, 0, min=batch.start + extra, max=batch.stop - 1 + extra)
 
