@@ -7,7 +7,7 @@ the conv math the kernels are tested against.
 """
 
 from . import attention, barrier, kv, linear, moe, sampling, sconv  # noqa: F401  (defines the ops)
-from .attention import paged_attention
+from .attention import paged_attention, ring_attention
 from .barrier import wait_layer
 from .kv import kv_write
 from .linear import linear
@@ -18,5 +18,5 @@ from .sconv import sconv_decode, sconv_extend
 
 register_cpu_kernels()
 
-__all__ = ["KERNELS", "sconv_decode", "sconv_extend", "kv_write", "paged_attention", "moe_experts", "wait_layer",
-           "top_k_top_p", "linear", "native_kernels"]
+__all__ = ["KERNELS", "sconv_decode", "sconv_extend", "kv_write", "paged_attention", "ring_attention", "moe_experts",
+           "wait_layer", "top_k_top_p", "linear", "native_kernels"]

@@ -1,8 +1,9 @@
-"""Decode attention over a paged KV cache (global layers).
+"""Decode attention: over a paged KV cache (global layers) and over each slot's ring (sliding layers).
 
-An opaque op so that the compiled step keeps one static shape while the kernel reads only the pages
-its rows need. The reference looks at `seq_lens` on the host to read just the pages the longest row
-covers; the capturable kernel cannot look, so it reads the table's full width, masked.
+Opaque ops so that the compiled step keeps one static shape while the kernel reads only the keys its
+rows need. The paged reference looks at `seq_lens` on the host to read just the pages the longest row
+covers; the capturable kernel cannot look, so it reads the table's full width, masked. The ring
+reference (`attention.attend_ring`) never looks at its data, so it is the CUDA kernel as well.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from inkling_compiled.attention import attend
+from inkling_compiled.attention import attend, attend_ring
 from inkling_compiled.kv_layout import page_location, pages_for
 
 from .library import define
@@ -56,3 +57,9 @@ paged_attention = define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor? tau, Tensor block_table, "
     "Tensor cache_indices, Tensor seq_lens, int page_size, int rel_extent) -> Tensor",
     fake=lambda q, *args: torch.empty_like(q), reference=paged_attention_reference, cuda=paged_attention_capturable)
+
+
+ring_attention = define(
+    "ring_attention(Tensor q, Tensor k_ring, Tensor v_ring, Tensor table, Tensor positions, Tensor cache_indices, "
+    "int window, int rel_extent) -> Tensor",
+    fake=lambda q, *args: torch.empty_like(q), reference=attend_ring, cuda=attend_ring)

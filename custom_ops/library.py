@@ -17,6 +17,7 @@ Every op is defined from its schema (mutated arguments marked `(a!)`) with:
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -35,10 +36,11 @@ _native: bool | None = None  # None until the first CPU call of a C++-covered op
 _stand_ins: torch.library.Library | None = None  # the CPU registrations the C++ kernels replace
 _swap_lock = threading.Lock()
 _library: Path | None = None  # the loaded C++ kernels
+_build: concurrent.futures.Future | None = None  # a build started ahead of the first call
 _SOURCE = Path(__file__).parent / "csrc" / "inkling_cpu.cpp"
 # The C++ file registers a CPU kernel for each of these; the others get their Python CPU kernel.
-NATIVE_CPU_OPS = ("sconv_decode", "sconv_extend", "kv_write", "paged_attention", "moe_experts", "top_k_top_p",
-                  "linear")
+NATIVE_CPU_OPS = ("sconv_decode", "sconv_extend", "kv_write", "paged_attention", "ring_attention", "moe_experts",
+                  "top_k_top_p", "linear")
 
 KERNELS: dict[str, dict[str, Callable]] = {}  # op name -> {"reference" | "CPU" | "CUDA": kernel}
 
@@ -94,7 +96,7 @@ def native_kernels() -> bool:
         if _stand_ins is None:  # INKLING_NATIVE_KERNELS=0
             return False
         try:
-            library = _built_extension()
+            library = _build.result() if _build is not None else _built_extension()
         except Exception as e:  # no compiler, no ninja, ...: the Python kernels serve
             log.warning("inkling C++ CPU kernels unavailable, using the torch reference kernels: %s", e)
             library = None
@@ -108,6 +110,24 @@ def native_kernels() -> bool:
             for name in NATIVE_CPU_OPS:
                 LIB.impl(name, KERNELS[name]["CPU"], "CPU")
         return _native
+
+
+def build_in_background() -> None:
+    """Starts building the C++ kernels now, in a child process, if they are not built yet: the build then
+    overlaps the rest of start-up (loading weights, compiling the decode graph) on another core, and the
+    first kernel call waits for it."""
+    global _build
+    with _swap_lock:
+        if _build is None and _native is None and _stand_ins is not None:
+            _build = concurrent.futures.Future()
+            threading.Thread(target=_build_into, args=(_build,), daemon=True, name="inkling-cpp-build").start()
+
+
+def _build_into(future: concurrent.futures.Future) -> None:
+    try:
+        future.set_result(_built_extension())
+    except Exception as e:  # reported by native_kernels(), which falls back to the Python kernels
+        future.set_exception(e)
 
 
 def cpu_isa() -> str | None:

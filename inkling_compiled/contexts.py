@@ -19,7 +19,7 @@ import itertools
 import torch
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
-from .attention import attend_from_scratch, attend_ring
+from .attention import attend_from_scratch
 from .cache import StatePool
 from .config import InklingConfig, LayerGeometry
 from .custom_ops.reference import packed_causal_conv
@@ -101,7 +101,8 @@ class PoolContext:
             qsl = md.query_start_loc.tolist()
             return attend_from_scratch(self.config, g, q, k, v, table, md.positions, list(zip(qsl[:-1], qsl[1:])))
         if g.sliding:
-            return attend_ring(q, k_cache, v_cache, table, md.positions, md.cache_indices, g.window, g.rel_extent)
+            return torch.ops.inkling.ring_attention(q, k_cache, v_cache, table, md.positions, md.cache_indices, g.window,
+                                                    g.rel_extent)
         tau = self.config.log_scale(md.positions) if g.log_scaling else None
         return torch.ops.inkling.paged_attention(q, k_cache, v_cache, table, tau, self.pool.block_table,
                                                  md.cache_indices, md.seq_lens, self.pool.page_size, g.rel_extent)

@@ -26,6 +26,7 @@ import torch
 from .backend import StepBackend
 from .cache import StatePool
 from .config import InklingConfig
+from .custom_ops.library import build_in_background
 from .checks import option_bool, option_int
 from .errors import CompileError, OptionError, RequestError
 from .graphs import CompiledDecoder, choose_buckets
@@ -121,6 +122,7 @@ class Engine:
         """Loads a checkpoint folder. compile=True (default) runs decode steps through the compiled
         per-bucket graphs (warmed up here); compile=False is the eager reference path. check_finite
         refuses a checkpoint with NaN or inf weights."""
+        build_in_background()  # the C++ kernels (first time only) build while the weights load and compile
         model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite)
         return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
                    max_batch_size=max_batch_size, **kwargs)

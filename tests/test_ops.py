@@ -43,6 +43,23 @@ def test_importing_builds_nothing_and_the_first_call_swaps_the_cpp_kernels_in(tm
     assert done.stdout.split() == ["(None,", "True)", "True", "True", "[[8.0,", "8.0,", "8.0]]"]
 
 
+def test_a_build_started_ahead_is_the_one_the_first_call_loads():
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, inkling_compiled.custom_ops.library as lib\n"
+        "lib.build_in_background()\n"
+        "future = lib._build\n"
+        "lib.build_in_background()  # started once\n"
+        "built = future.result(timeout=300)\n"
+        "before = lib._native\n"
+        "torch.ops.inkling.linear(torch.ones(1, 8), torch.ones(3, 8))\n"
+        "print(before, lib._native, lib._build is future, lib._library == built)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["None", "True", "True", "True"]
+
+
 def test_the_extension_folder_is_keyed_by_source_flags_torch_and_interpreter(monkeypatch):
     from inkling_compiled.custom_ops import library
 
@@ -224,6 +241,9 @@ def op_samples():
         torch.randn(2, 4, 8, generator=g), torch.randn(16, 2, 8, generator=g), torch.randn(16, 2, 8, generator=g),
         torch.randn(2, 4, 6, generator=g), torch.rand(2, generator=g) + 1, block_table,
         torch.tensor([1, 2], dtype=torch.int32), torch.tensor([7, 3], dtype=torch.int32), 4, 6)
+    yield torch.ops.inkling.ring_attention.default, (
+        torch.randn(3, 4, 8, generator=g), torch.randn(15, 2, 8, generator=g), torch.randn(15, 2, 8, generator=g),
+        torch.randn(3, 4, 6, generator=g), torch.tensor([2, 9, 0]), torch.tensor([1, 2, 0], dtype=torch.int32), 5, 6)
 
 
 @pytest.mark.parametrize("op, args", list(op_samples()), ids=lambda x: str(x) if not isinstance(x, tuple) else "")
@@ -250,7 +270,8 @@ def test_native_paged_attention_moe_and_filter_match_their_references():
         (torch.ops.inkling.top_k_top_p.default, top_k_top_p_reference, (
             torch.randn(6, 50, generator=g) * 3, torch.tensor([0, 5, 0, 1, 50, 7]),
             torch.tensor([1.0, 1.0, 0.7, 1.0, 0.2, 0.9]))),
-        (paged_attention, paged_attention_reference, list(op_samples())[-1][1]),
+        (paged_attention, paged_attention_reference, list(op_samples())[-2][1]),
+        (torch.ops.inkling.ring_attention.default, KERNELS["ring_attention"]["reference"], list(op_samples())[-1][1]),
         (torch.ops.inkling.moe_experts.default, moe_experts_reference, (
             torch.randn(7, 16, generator=g), torch.randint(0, 5, (7, 2), generator=g), torch.rand(7, 2, generator=g),
             torch.randn(5, 24, 16, generator=g), torch.randn(5, 16, 12, generator=g))),
@@ -284,11 +305,11 @@ def test_paged_attention_reads_only_its_pages(kernel):
     assert torch.equal(paged_attention(q, kc2, vc2, **args), out)
 
 
-def test_ring_attention_reads_only_the_rows_own_ring():
+@pytest.mark.parametrize("kernel", ["op", "reference"])
+def test_ring_attention_reads_only_the_rows_own_ring(kernel):
     """Another slot's ring, even NaN, never reaches a row (a row's own unwritten entries are zero: the
     pool clears a slot's rings when it hands the slot out, tested with the pool)."""
-    from inkling_compiled.attention import attend_ring
-
+    attend_ring = {"op": torch.ops.inkling.ring_attention.default, **KERNELS["ring_attention"]}[kernel]
     g = torch.Generator().manual_seed(4)
     W, slots = 4, 3
     kr, vr = torch.randn(slots * W, 1, 4, generator=g), torch.randn(slots * W, 1, 4, generator=g)

@@ -176,25 +176,43 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, co
 // Decode attention of one query per row over its paged keys (global layers): the recipe of
 // inkling_compiled/attention.py (band bias, log scale tau, 1/hd, fp32 softmax). fp32 or bf16 tensors;
 // the arithmetic is fp32 either way, the output is rounded to the query's dtype.
-template <typename scalar_t>
-void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& table, const at::Tensor& tau, const at::Tensor& bt, const at::Tensor& idx,
-                          const at::Tensor& lens, int64_t page_size, int64_t rel_extent, at::Tensor& out) {
+// Where a decode row's keys are: global layers read pages through the block table, positions 0..pos;
+// sliding layers read the slot's ring of its last `window` keys, positions pos-window+1..pos.
+struct PagedKeys {
+  const int32_t* block_table;
+  int64_t pages, page_size;
+  int64_t first(int64_t) const { return 0; }
+  int64_t location(int64_t slot, int64_t p) const {
+    return static_cast<int64_t>(block_table[slot * pages + p / page_size]) * page_size + p % page_size;
+  }
+};
+
+struct RingKeys {
+  int64_t window;
+  int64_t first(int64_t pos) const { return pos - window + 1 > 0 ? pos - window + 1 : 0; }
+  int64_t location(int64_t slot, int64_t p) const { return slot * window + p % window; }
+};
+
+template <typename scalar_t, typename Keys>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& table, const at::Tensor& tau, const Keys& keys, const at::Tensor& idx,
+                           const at::Tensor& positions, int64_t rel_extent, at::Tensor& out) {
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), E = table.size(2);
-  const int64_t group = nh / nkv, pages = bt.size(1);
+  const int64_t group = nh / nkv;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* tp = table.data_ptr<scalar_t>();
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-  const int32_t* btp = bt.data_ptr<int32_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t k0 = k_cache.stride(0), k1 = k_cache.stride(1), v0 = v_cache.stride(0), v1 = v_cache.stride(1);
   const float inv_hd = 1.0f / static_cast<float>(hd);
   std::vector<float> qs(hd), scores, acc(hd);
+  std::vector<int64_t> locs;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = lens.data_ptr<int32_t>()[b], pos = n - 1;
-    TORCH_CHECK(n >= 1 && (n + page_size - 1) / page_size <= pages, "paged_attention: bad seq_len ", n);
-    const int32_t* row = btp + static_cast<int64_t>(idx.data_ptr<int32_t>()[b]) * pages;
+    const int64_t pos = positions.data_ptr<int64_t>()[b], slot = idx.data_ptr<int32_t>()[b];
+    const int64_t first = keys.first(pos), n = pos - first + 1;
+    locs.resize(n);
+    for (int64_t j = 0; j < n; ++j) locs[j] = keys.location(slot, first + j);
     const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
     scores.resize(n);
     for (int64_t h = 0; h < nh; ++h) {
@@ -204,11 +222,10 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
       const int64_t kvh = h / group;
       float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t loc = static_cast<int64_t>(row[j / page_size]) * page_size + j % page_size;
-        const scalar_t* kj = kp + loc * k0 + kvh * k1;
+        const scalar_t* kj = kp + locs[j] * k0 + kvh * k1;
         float dot = 0.0f;
         for (int64_t d = 0; d < hd; ++d) dot += qs[d] * static_cast<float>(kj[d]);
-        const int64_t dist = pos - j;
+        const int64_t dist = pos - (first + j);
         float bias = dist < rel_extent ? static_cast<float>(th[dist]) : 0.0f;
         if (tau.defined()) bias = bias * t;
         const float s = dot * inv_hd + bias;
@@ -222,8 +239,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t loc = static_cast<int64_t>(row[j / page_size]) * page_size + j % page_size;
-        const scalar_t* vj = vp + loc * v0 + kvh * v1;
+        const scalar_t* vj = vp + locs[j] * v0 + kvh * v1;
         const float p = scores[j] / total;
         for (int64_t d = 0; d < hd; ++d) acc[d] += p * static_cast<float>(vj[d]);
       }
@@ -233,27 +249,57 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
   }
 }
 
-at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& table_in, const std::optional<at::Tensor>& tau_in,
-                           const at::Tensor& block_table, const at::Tensor& cache_indices,
-                           const at::Tensor& seq_lens, int64_t page_size, int64_t rel_extent) {
+template <typename Keys>
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& table_in, const std::optional<at::Tensor>& tau_in, const Keys& keys,
+                            const at::Tensor& cache_indices, const at::Tensor& positions_in, int64_t rel_extent,
+                            const char* name) {
   const auto dtype = q_in.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "the CPU paged_attention kernel takes fp32 or bf16");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "the CPU ", name, " kernel takes fp32 or bf16");
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-              "paged_attention: q and the caches must share a dtype");
+              name, ": q and the caches must share a dtype");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "caches need unit head_dim stride");
   const auto q = q_in.contiguous(), table = table_in.to(dtype).contiguous();
-  const auto bt = block_table.to(at::kInt).contiguous();
   const auto idx = cache_indices.to(at::kInt).contiguous();
-  const auto lens = seq_lens.to(at::kInt).contiguous();
+  const auto positions = positions_in.to(at::kLong).contiguous();
   at::Tensor tau;
   if (tau_in.has_value()) tau = tau_in->to(at::kFloat).contiguous();
   auto out = at::empty_like(q);
   if (dtype == at::kFloat)
-    paged_attention_impl<float>(q, k_cache, v_cache, table, tau, bt, idx, lens, page_size, rel_extent, out);
+    decode_attention_impl<float>(q, k_cache, v_cache, table, tau, keys, idx, positions, rel_extent, out);
   else
-    paged_attention_impl<at::BFloat16>(q, k_cache, v_cache, table, tau, bt, idx, lens, page_size, rel_extent, out);
+    decode_attention_impl<at::BFloat16>(q, k_cache, v_cache, table, tau, keys, idx, positions, rel_extent, out);
   return out;
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& table, const std::optional<at::Tensor>& tau,
+                           const at::Tensor& block_table, const at::Tensor& cache_indices,
+                           const at::Tensor& seq_lens, int64_t page_size, int64_t rel_extent) {
+  const auto bt = block_table.to(at::kInt).contiguous();
+  const auto lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t pages = bt.size(1);
+  for (int64_t b = 0; b < lens.numel(); ++b) {
+    const int64_t n = lens.data_ptr<int64_t>()[b];
+    TORCH_CHECK(n >= 1 && (n + page_size - 1) / page_size <= pages, "paged_attention: bad seq_len ", n);
+  }
+  return decode_attention(q, k_cache, v_cache, table, tau, PagedKeys{bt.data_ptr<int32_t>(), pages, page_size},
+                          cache_indices, lens - 1, rel_extent, "paged_attention");
+}
+
+// Decode on a sliding layer: each row's slot keeps its last `window` keys in a ring (the current one
+// included, already written).
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k_ring, const at::Tensor& v_ring,
+                          const at::Tensor& table, const at::Tensor& positions, const at::Tensor& cache_indices,
+                          int64_t window, int64_t rel_extent) {
+  TORCH_CHECK(window >= 1 && k_ring.size(0) % window == 0, "ring_attention: rings of ", window, " keys expected");
+  const auto slots = cache_indices.to(at::kLong).contiguous();
+  for (int64_t b = 0; b < slots.numel(); ++b) {
+    const int64_t slot = slots.data_ptr<int64_t>()[b];
+    TORCH_CHECK(slot >= 0 && (slot + 1) * window <= k_ring.size(0), "ring_attention: bad slot ", slot);
+  }
+  return decode_attention(q, k_ring, v_ring, table, std::nullopt, RingKeys{window}, cache_indices, positions,
+                          rel_extent, "ring_attention");
 }
 
 // ---- small-M matmul: y[n, O] = x[n, H] @ W^T, W given as [O, H] in either memory layout ----------
@@ -558,6 +604,7 @@ TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("sconv_extend", &sconv_extend);
   m.impl("kv_write", &kv_write);
   m.impl("paged_attention", &paged_attention);
+  m.impl("ring_attention", &ring_attention);
   m.impl("moe_experts", &moe_experts);
   m.impl("top_k_top_p", &top_k_top_p);
   m.impl("linear", &linear);
