@@ -92,6 +92,12 @@ def test_every_instruction_set_build_of_the_matmul_matches_f_linear(isa):
         "        for rows in (1, 2, 3, 4, 5, 9):\n"
         "            x = torch.randn(rows, h, generator=g)\n"
         "            worst = max(worst, (torch.ops.inkling.linear(x, w) - F.linear(x, w)).abs().max().item())\n"
+        "from inkling_compiled.attention import attend_ring\n"
+        "for hd in (16, 20, 64):  # the decode attention's dot and axpy: full vectors and a tail\n"
+        "    q, k, v = (torch.randn(n, 2, hd, generator=g) for n in (3, 24, 24))\n"
+        "    args = (torch.randn(3, 2, 9, generator=g), torch.tensor([2, 9, 30]), torch.tensor([1, 2, 0], dtype=torch.int32), 8, 9)\n"
+        "    got = torch.ops.inkling.ring_attention(q, k, v, *args)\n"
+        "    worst = max(worst, (got - attend_ring(q, k, v, *args)).abs().max().item())\n"
         "print(cpu_isa(), worst)")
     env = {**os.environ, "INKLING_CPU_ISA": isa, "INKLING_FEW_ROWS": "64"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)

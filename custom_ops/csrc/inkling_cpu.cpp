@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <string>
 #include <cmath>
 #include <cstdlib>
@@ -176,6 +177,10 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, co
 // Decode attention of one query per row over its paged keys (global layers): the recipe of
 // inkling_compiled/attention.py (band bias, log scale tau, 1/hd, fp32 softmax). fp32 or bf16 tensors;
 // the arithmetic is fp32 either way, the output is rounded to the query's dtype.
+// fp32 dot product and y += s * x, built per instruction set with the matmul below.
+float fp32_dot(const float* a, const float* b, int64_t n);
+void fp32_axpy(float s, const float* x, float* y, int64_t n);
+
 // Where a decode row's keys are: global layers read pages through the block table, positions 0..pos;
 // sliding layers read the slot's ring of its last `window` keys, positions pos-window+1..pos.
 struct PagedKeys {
@@ -224,7 +229,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       for (int64_t j = 0; j < n; ++j) {
         const scalar_t* kj = kp + locs[j] * k0 + kvh * k1;
         float dot = 0.0f;
-        for (int64_t d = 0; d < hd; ++d) dot += qs[d] * static_cast<float>(kj[d]);
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          dot = fp32_dot(qs.data(), kj, hd);
+        } else {
+          for (int64_t d = 0; d < hd; ++d) dot += qs[d] * static_cast<float>(kj[d]);
+        }
         const int64_t dist = pos - (first + j);
         float bias = dist < rel_extent ? static_cast<float>(th[dist]) : 0.0f;
         if (tau.defined()) bias = bias * t;
@@ -241,7 +250,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       for (int64_t j = 0; j < n; ++j) {
         const scalar_t* vj = vp + locs[j] * v0 + kvh * v1;
         const float p = scores[j] / total;
-        for (int64_t d = 0; d < hd; ++d) acc[d] += p * static_cast<float>(vj[d]);
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          fp32_axpy(p, vj, acc.data(), hd);
+        } else {
+          for (int64_t d = 0; d < hd; ++d) acc[d] += p * static_cast<float>(vj[d]);
+        }
       }
       scalar_t* oh = op + (b * nh + h) * hd;
       for (int64_t d = 0; d < hd; ++d) oh[d] = static_cast<scalar_t>(acc[d]);
@@ -415,6 +428,36 @@ INKLING_INLINE void rows_matmul(const float* x, int64_t n, int64_t H, const floa
 INKLING_MATMUL_FOR(avx512, "avx512f,avx512vl,avx2,fma")
 INKLING_MATMUL_FOR(avx2, "avx2,fma")
 
+INKLING_INLINE float dot_body(const float* a, const float* b, int64_t n) {
+  vec16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+  float total = 0.0f;
+  for (int j = 0; j < 16; ++j) total += acc[j];
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+INKLING_INLINE void axpy_body(float s, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(y + i, load16(y + i) + s * load16(x + i));
+  for (; i < n; ++i) y[i] += s * x[i];
+}
+
+#define INKLING_VECTOR_FOR(isa_name, features)                                                           \
+  __attribute__((target(features), optimize("fp-contract=fast"))) float dot_##isa_name(                   \
+      const float* a, const float* b, int64_t n) {                                                        \
+    return dot_body(a, b, n);                                                                             \
+  }                                                                                                       \
+  __attribute__((target(features), optimize("fp-contract=fast"))) void axpy_##isa_name(                   \
+      float s, const float* x, float* y, int64_t n) {                                                     \
+    axpy_body(s, x, y, n);                                                                                \
+  }
+INKLING_VECTOR_FOR(avx512, "avx512f,avx512vl,avx2,fma")
+INKLING_VECTOR_FOR(avx2, "avx2,fma")
+float dot_portable(const float* a, const float* b, int64_t n) { return dot_body(a, b, n); }
+void axpy_portable(float s, const float* x, float* y, int64_t n) { axpy_body(s, x, y, n); }
+
 // Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE.
 void rows_matmul_portable(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
                           float* y) {
@@ -452,6 +495,8 @@ using MatmulKernel = void (*)(const float*, int64_t, int64_t, const float*, int6
 struct MatmulChoice {
   const char* isa;
   MatmulKernel kernel;
+  float (*dot)(const float*, const float*, int64_t);
+  void (*axpy)(float, const float*, float*, int64_t);
 };
 
 MatmulChoice choose_matmul() {
@@ -461,9 +506,9 @@ MatmulChoice choose_matmul() {
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("fma");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if ((want.empty() || want == "avx512") && avx512) return {"avx512", rows_matmul_avx512};
-  if ((want.empty() || want == "avx512" || want == "avx2") && avx2) return {"avx2", rows_matmul_avx2};
-  return {"portable", rows_matmul_portable};
+  if ((want.empty() || want == "avx512") && avx512) return {"avx512", rows_matmul_avx512, dot_avx512, axpy_avx512};
+  if ((want.empty() || want == "avx512" || want == "avx2") && avx2) return {"avx2", rows_matmul_avx2, dot_avx2, axpy_avx2};
+  return {"portable", rows_matmul_portable, dot_portable, axpy_portable};
 }
 
 const MatmulChoice& matmul_choice() {
@@ -475,6 +520,9 @@ void few_rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64
                      float* y) {
   matmul_choice().kernel(x, n, H, w, O, w_o, w_h, y);
 }
+
+float fp32_dot(const float* a, const float* b, int64_t n) { return matmul_choice().dot(a, b, n); }
+void fp32_axpy(float s, const float* x, float* y, int64_t n) { matmul_choice().axpy(s, x, y, n); }
 
 // Up to how many rows a projection or an expert takes the kernel above; past it MKL's GEMM wins on
 // the machines measured (tools/bench_matmul.py, which raises it through INKLING_FEW_ROWS to compare).
