@@ -156,8 +156,12 @@ class GraphDump:
                 guard_log.seek(0)
                 guard_log.truncate()
                 codes: list[str] = []
+                # run_and_get_code resets Dynamo first: only for a bucket no graph serves yet, or a bucket the
+                # symbolic graph already covers would be compiled again.
+                covered = decoder.symbolic_batch is not None and bucket in decoder.symbolic_batch and any(
+                    b in decoder.symbolic_batch for b in decoder.graph_of)
                 with torch._inductor.config.patch(post_grad_custom_post_pass=post_grad, fx_graph_cache=False):
-                    if backend == "inductor":
+                    if backend == "inductor" and not covered:
                         from torch._inductor.utils import run_and_get_code
 
                         _, codes = run_and_get_code(decoder.warm_bucket, bucket)

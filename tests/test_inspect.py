@@ -69,8 +69,10 @@ def test_dump_graphs_cli_diff(dumps, capsys):
 def test_inductor_dump_scans_the_generated_code_and_finds_no_pool_copies(checkpoint, tmp_path):
     from inkling_compiled.graphs.dump import pool_copies_in_code
 
-    summary = dump_graphs(checkpoint("tiny"), tmp_path, buckets=(1,), backend="inductor")
+    summary = dump_graphs(checkpoint("tiny"), tmp_path, buckets=(1, 2), backend="inductor")
     record = summary["buckets"]["1"]
+    # capturing the code resets Dynamo: bucket 2 must still find bucket 1's symbolic graph, not compile anew
+    assert summary["buckets"]["2"]["graphs"] == 0 and summary["buckets"]["2"]["graph_folder"] == "bucket-1"
     code = (tmp_path / "bucket-1" / "output_code.py").read_text()
     assert code.count("torch.ops.inkling.sconv_decode.default(") == 16  # the scanner had real code to read
     assert record["pool_copies"] == 0 and record["graphs"] == 1 and record["graph_breaks"] == 0
