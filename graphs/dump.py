@@ -1,11 +1,12 @@
 """Graph dumps: everything a compiled decode step is made of, as diffable text.
 
-Per compiled graph (`bucket-<B>/`, B the first bucket it served): the Dynamo graph, the post-grad graph (inductor) or the AOT forward graph
-(aot_eager), the inductor output code, the guards, an op census (custom-op calls labelled with layer
-and stream, aten op counts, pool-sized copies flagged) and the static-input table. At the top:
-`capture.md`, `summary.md` and `summary.json`, one row per bucket
-naming the graph folder that serves it (a symbolic graph serves every bucket of two rows or more). Object ids and addresses are replaced by placeholders
-so that two dumps of the same engine are byte-identical; `diff_dumps` compares two of them.
+Per compiled graph (`bucket-<B>/`, B the first bucket it served): the Dynamo graph, the post-grad
+graph (inductor) or the AOT forward graph (aot_eager), the inductor output code, the guards, an op
+census (custom-op calls labelled with layer and stream, aten op counts, pool-sized copies flagged) and
+the static-input table. At the top: `capture.md`, `summary.md` and `summary.json`, one row per bucket
+naming the graph folder that serves it (one symbolic graph serves every bucket by default). Object
+ids and addresses are replaced by placeholders so that two dumps of the same engine are byte-identical;
+`diff_dumps` compares two of them.
 
 `GraphDump` is handed its decoder and the pool's state tensors by its caller (the `dump-graphs`
 command builds the engine: `inkling_compiled/dump_graphs.py`).

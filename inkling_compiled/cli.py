@@ -231,7 +231,7 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "fp32", "bf16"],
                    help="weights and caches (default: fp32 on CPU, bf16 on GPU)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="decode through the compiled per-bucket graphs (--no-compile: the eager path)")
+                   help="decode through the compiled decode graph (--no-compile: the eager path)")
     p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager", "aot_eager", "tensorrt"],
                    help="torch.compile backend of the decode graphs")
     p.add_argument("--max-batch-size", type=positive_int, default=max_batch_size,

@@ -120,7 +120,7 @@ class Engine:
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype=None, compile: bool = True,
                         max_batch_size: int = 32, check_finite: bool = True, **kwargs) -> "Engine":
         """Loads a checkpoint folder. compile=True (default) runs decode steps through the compiled
-        per-bucket graphs (warmed up here); compile=False is the eager reference path. check_finite
+        graph (every bucket warmed up here); compile=False is the eager reference path. check_finite
         refuses a checkpoint with NaN or inf weights."""
         build_in_background()  # the C++ kernels (first time only) build while the weights load and compile
         model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite)

@@ -88,7 +88,7 @@ class EagerRunner:
 
 
 class CompiledRunner(EagerRunner):
-    """Decode through the compiled per-bucket graphs; prefill stays eager (its shapes vary)."""
+    """Decode through the compiled graph(s), one bucket per replay; prefill stays eager (its shapes vary)."""
 
     def __init__(self, model: InklingForCausalLM, backend: StepBackend, decoder):
         super().__init__(model, backend)
