@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -104,9 +105,13 @@ def native_kernels() -> bool:
         _stand_ins._destroy()
         _stand_ins = None
         if library is not None:
-            torch.ops.load_library(str(library))
-            _native, _library = True, library
-        else:
+            try:
+                torch.ops.load_library(str(library))
+                _native, _library = True, library
+            except Exception as e:  # a library that does not load: the Python kernels serve
+                log.warning("inkling C++ CPU kernels at %s did not load, using the torch reference kernels: %s",
+                            library, e)
+        if not _native:
             for name in NATIVE_CPU_OPS:
                 LIB.impl(name, KERNELS[name]["CPU"], "CPU")
         return _native
@@ -167,14 +172,20 @@ def _built_extension() -> Path:
     folder = extension_dir()
     library = folder / "inkling_cpu.so"
     if not library.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
         sys.stderr.write("inkling-compiled: building the C++ CPU kernels (once for this checkout and "
                          f"interpreter) in {folder}\n")
+        # Built in a folder of this process's own, then renamed into place: another process starting at
+        # the same moment never loads a half-written library.
+        scratch = folder.with_name(f"{folder.name}.build-{os.getpid()}")
+        scratch.mkdir(parents=True, exist_ok=True)
         build = ("import sys; from torch.utils import cpp_extension; "
                  "cpp_extension.load(name='inkling_cpu', sources=[sys.argv[1]], build_directory=sys.argv[2], "
                  "extra_cflags=sys.argv[3:], is_python_module=False, verbose=False)")
-        done = subprocess.run([sys.executable, "-c", build, str(_SOURCE), str(folder), *_build_flags()],
+        done = subprocess.run([sys.executable, "-c", build, str(_SOURCE), str(scratch), *_build_flags()],
                               capture_output=True, text=True)
-        if done.returncode != 0 or not library.is_file():
+        if done.returncode != 0 or not (scratch / library.name).is_file():
             raise RuntimeError(f"building {_SOURCE.name} failed:\n{done.stderr[-4000:]}")
+        folder.mkdir(parents=True, exist_ok=True)
+        os.replace(scratch / library.name, library)
+        shutil.rmtree(scratch, ignore_errors=True)
     return library

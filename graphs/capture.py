@@ -17,6 +17,7 @@ batch of a given size, which is what warm-up runs.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,9 @@ from inkling_compiled.errors import CompileError, OptionError
 from inkling_compiled.paths import default_cache_dir
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
+# Dynamo's stance and its compile counter are process-wide: one decoder at a time compiles, or replays
+# under the fail-on-recompile stance (a stance set by one thread would refuse another's first compile).
+_DYNAMO_STATE = threading.RLock()
 BACKENDS = ("inductor", "eager", "aot_eager", "tensorrt")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -126,6 +130,7 @@ class CompiledDecoder:
             kwargs["mode"], options = mode, {}
         if options:
             kwargs["options"] = options
+        self.cuda_graphs = mode in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
         self.compiled = torch.compile(step, **kwargs)
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its first call took
         self.graph_of: dict[int, int] = {}  # bucket -> index of the graph that serves it (in compile order)
@@ -158,7 +163,7 @@ class CompiledDecoder:
         """Compiles (or loads from the cache) the graphs of `buckets` (default all) on all-padding
         batches, which write only the dummy slot and page; seconds per bucket. `progress(message,
         done, total)` hears about each bucket before it starts."""
-        todo = [b for b in buckets or self.buckets if b not in self.graph_of]
+        todo = sorted({b for b in (self.buckets if buckets is None else buckets) if b not in self.graph_of})
         for i, b in enumerate(todo):
             if progress:
                 progress(f"compiling the decode step: bucket {b}", i, len(todo))
@@ -173,12 +178,14 @@ class CompiledDecoder:
 
     def _first_call(self, bucket: int) -> tuple[torch.Tensor, ...]:
         """A bucket's first replay, which may compile: timed, and the graph that serves it noted."""
-        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            outputs = self.compiled()
-        self.compile_seconds[bucket] = time.perf_counter() - t0
-        if torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames:
+        with _DYNAMO_STATE:
+            frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                outputs = self.compiled()
+            self.compile_seconds[bucket] = time.perf_counter() - t0
+            compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames
+        if compiled:
             self.graph_of[bucket] = self._graphs
             if self.symbolic_batch is not None and bucket in self.symbolic_batch:
                 self._symbolic_graph = self._graphs
@@ -196,11 +203,11 @@ class CompiledDecoder:
             outputs = self._first_call(bucket)
         else:
             try:
-                with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+                with _DYNAMO_STATE, torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
                     outputs = self.compiled()
             except RuntimeError as e:
                 if "fail_on_recompile" not in str(e):
                     raise
                 raise CompileError(f"decode step for bucket {bucket} would recompile after warm-up: {e}") from None
         # CUDA-graph outputs live in graph-owned memory that the next replay overwrites.
-        return tuple(t.clone() for t in outputs) if self.mode == "reduce-overhead" else outputs
+        return tuple(t.clone() for t in outputs) if self.cuda_graphs else outputs

@@ -54,7 +54,7 @@ class DecodeStep(nn.Module):
         self.instance = next(_STEPS)  # counts from 0 in every process, so caches on disk still match
 
     def forward(self) -> tuple[torch.Tensor, ...]:
-        if self.instance < 0:  # never true: the test makes Dynamo guard on the instance number
+        if self.instance < 0:  # never true: the comparison makes Dynamo guard on the instance number
             raise AssertionError(self.instance)
         return forward_step(self.model, self.backend)
 

@@ -60,6 +60,23 @@ def test_a_build_started_ahead_is_the_one_the_first_call_loads():
     assert done.stdout.split() == ["None", "True", "True", "True"]
 
 
+def test_a_library_that_does_not_load_leaves_the_python_kernels_serving():
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, inkling_compiled.custom_ops.library as lib\n"
+        "def refuse(path):\n"
+        "    raise OSError('cannot load ' + path)\n"
+        "torch.ops.load_library = refuse\n"
+        "x, w = torch.ones(2, 8), torch.ones(3, 8)\n"
+        "first, second = torch.ops.inkling.linear(x, w), torch.ops.inkling.linear(x, w)\n"
+        "print(lib._native, first.sum().item(), second.sum().item())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["False", "48.0", "48.0"]
+    assert "did not load" in done.stderr
+
+
 def test_the_extension_folder_is_keyed_by_source_flags_torch_and_interpreter(monkeypatch):
     from inkling_compiled.custom_ops import library
 

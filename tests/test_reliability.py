@@ -1,6 +1,8 @@
 """Reliability: requests isolated from each other (non-finite values included), a failed step never
 wedges the engine, concurrent callers, and the engine's own state protected from the caller's."""
 
+import threading
+
 import pytest
 import torch
 
@@ -198,8 +200,6 @@ def test_an_interrupt_mid_step_fails_that_steps_requests_then_propagates(checkpo
 
 def run_concurrently(*targets, timeout=120) -> list[BaseException]:
     """Runs each callable on its own thread; the exceptions they raised. Fails if one never returns."""
-    import threading
-
     errors = []
 
     def guarded(target):
@@ -219,7 +219,6 @@ def run_concurrently(*targets, timeout=120) -> list[BaseException]:
 
 def test_threads_adding_aborting_and_stepping_leave_every_request_finished_and_nothing_leaked(checkpoint):
     import random
-    import threading
 
     engine = make_engine(checkpoint, False, max_model_len=64, page_size=4)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -294,6 +293,37 @@ def test_generate_beside_other_threads_generating_and_stepping(checkpoint):
 
 
 # ---- the caller's torch state ------------------------------------------------------------------------
+
+def test_one_engines_replay_never_refuses_another_engines_first_compile(checkpoint):
+    """The fail-on-recompile stance is process-wide: while engine A replays under it on one thread,
+    engine B's lazy first compile on another must wait, not be refused (its requests used to fail)."""
+    a = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=2, compile_backend="eager", progress=False)
+    b = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=2, compile_backend="eager", progress=False,
+                               warmup=False)
+    inside, release = threading.Event(), threading.Event()
+    replay = a.decoder.compiled
+
+    def slow_replay():
+        out = replay()
+        inside.set()
+        release.wait(10)
+        return out
+
+    a.decoder.compiled = slow_replay
+    a.add_request([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    a.step()  # prefill
+    stepping = threading.Thread(target=a.step)
+    stepping.start()
+    assert inside.wait(10)  # A is replaying, under the stance
+    outs = []
+    compiling = threading.Thread(target=lambda: outs.extend(b.generate([[8, 9]], SamplingParams(max_new_tokens=3))))
+    compiling.start()
+    compiling.join(0.5)  # B reaches its first compile while A is still inside
+    release.set()
+    stepping.join(10)
+    compiling.join(60)
+    assert [o.finish_reason for o in outs] == ["length"], [o.error for o in outs]
+
 
 def test_the_callers_torch_state_never_reaches_a_compiled_step(checkpoint):
     engine = make_engine(checkpoint, True)

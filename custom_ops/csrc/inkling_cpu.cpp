@@ -275,6 +275,16 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   const auto q = q_in.contiguous(), table = table_in.to(dtype).contiguous();
   const auto idx = cache_indices.to(at::kInt).contiguous();
   const auto positions = positions_in.to(at::kLong).contiguous();
+  const int64_t B = q.size(0);
+  TORCH_CHECK(q.dim() == 3 && table.dim() == 3 && table.size(0) == B && table.size(1) == q.size(1),
+              name, ": q [B, nh, hd] and table [B, nh, E] expected");
+  TORCH_CHECK(rel_extent >= 0 && rel_extent <= table.size(2), name, ": rel_extent ", rel_extent,
+              " exceeds the table's ", table.size(2), " distances");
+  TORCH_CHECK(idx.numel() == B && positions.numel() == B, name, ": one slot and one position per row expected");
+  TORCH_CHECK(k_cache.size(1) >= 1 && q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2),
+              name, ": cache heads must divide the query heads, with the same head_dim");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(positions.data_ptr<int64_t>()[b] >= 0, name, ": negative position");
   at::Tensor tau;
   if (tau_in.has_value()) tau = tau_in->to(at::kFloat).contiguous();
   auto out = at::empty_like(q);
@@ -596,6 +606,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight) {
   const int64_t kFewRows = few_rows();
   const int64_t H = x_in.size(-1), O = weight.size(0);
   const int64_t n = H ? x_in.numel() / H : 0;
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == H, "linear: weight [O, ", H, "] expected");
   const bool fast = x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && n <= kFewRows &&
                     weight.dim() == 2 && (weight.stride(1) == 1 || weight.stride(0) == 1);
   if (!fast) return at::linear(x_in, weight);
