@@ -71,11 +71,14 @@ def register_cpu_kernels() -> None:
     lazy = os.environ.get("INKLING_NATIVE_KERNELS", "1") != "0"
     if lazy:
         _stand_ins = torch.library.Library("inkling", "IMPL")
-    for name, kernels in KERNELS.items():
-        if lazy and name in NATIVE_CPU_OPS:
+        for name in NATIVE_CPU_OPS:
             _stand_ins.impl(name, _first_call_builds(name), "CPU")
-        else:
-            LIB.impl(name, kernels["CPU"], "CPU")
+    _register_python_cpu([name for name in KERNELS if not (lazy and name in NATIVE_CPU_OPS)])
+
+
+def _register_python_cpu(names) -> None:
+    for name in names:
+        LIB.impl(name, KERNELS[name]["CPU"], "CPU")
 
 
 def _first_call_builds(name: str) -> Callable:
@@ -112,8 +115,7 @@ def native_kernels() -> bool:
                 log.warning("inkling C++ CPU kernels at %s did not load, using the torch reference kernels: %s",
                             library, e)
         if not _native:
-            for name in NATIVE_CPU_OPS:
-                LIB.impl(name, KERNELS[name]["CPU"], "CPU")
+            _register_python_cpu(NATIVE_CPU_OPS)
         return _native
 
 

@@ -96,7 +96,6 @@ class CompiledDecoder:
                  guarded_sources: tuple[str, ...] | None = None):
         self.step, self.prepare_padding = step, prepare_padding
         self.buckets = buckets
-        self.graph_per_bucket = bool(graph_per_bucket)
         # The batch sizes the symbolic graph serves: all of them, or all but 1 when bucket 1 gets its
         # own static graph; None when every bucket is its own static graph.
         self.symbolic_batch = None if graph_per_bucket else range(2 if specialize_batch_one else 1, buckets[-1] + 1)
@@ -140,10 +139,6 @@ class CompiledDecoder:
     @property
     def largest(self) -> int:
         return self.buckets[-1]
-
-    @property
-    def warmed_up(self) -> bool:
-        return len(self.graph_of) == len(self.buckets)
 
     def graphs(self) -> list[tuple[int, ...]]:
         """The buckets each compiled graph serves, one tuple per graph, in compile order."""

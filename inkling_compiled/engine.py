@@ -25,9 +25,9 @@ import torch
 
 from .backend import StepBackend
 from .cache import StatePool
+from .checks import option_bool, option_int
 from .config import InklingConfig
 from .custom_ops.library import build_in_background
-from .checks import option_bool, option_int
 from .errors import CompileError, OptionError, RequestError
 from .graphs import CompiledDecoder, choose_buckets
 from .kv_layout import pages_for

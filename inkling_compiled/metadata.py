@@ -128,17 +128,17 @@ class StepBuffers:
             view = self._views.get((name, n))
             if view is None:
                 view = self._views[(name, n)] = buf[:n]
-                self._mark_symbolic(view, n - (spec.extra if isinstance(spec, PerRow) else 0), n)
+                extra = spec.extra if isinstance(spec, PerRow) else 0
+                self._mark_symbolic(view, n - extra, extra)
             if self._staging is not self.tensors:
                 view.copy_(self._staging[name][:n], non_blocking=True)
             setattr(md, name, view)
         return md
 
-    def _mark_symbolic(self, view: torch.Tensor, rows: int, length: int) -> None:
+    def _mark_symbolic(self, view: torch.Tensor, rows: int, extra: int) -> None:
         batch = self.symbolic_batch
         if batch is None or rows not in batch:
             return
-        extra = length - rows
         if batch.start <= 1:
             # One unbacked symbol for every slice of the batch's length (and one for B+1): inductor then
             # knows they are equal, fuses across them and checks it once per call.
