@@ -7,13 +7,17 @@ setup(
     python_requires=">=3.10",
     # custom_ops/ and graphs/ live at the top of the repo but install inside the package,
     # so nothing but `inkling_compiled` lands in site-packages.
-    packages=["inkling_compiled", "inkling_compiled.custom_ops", "inkling_compiled.graphs"],
+    packages=["inkling_compiled", "inkling_compiled.custom_ops", "inkling_compiled.custom_ops.gpu",
+              "inkling_compiled.graphs"],
     package_dir={
         "inkling_compiled": "inkling_compiled",
         "inkling_compiled.custom_ops": "custom_ops",
+        "inkling_compiled.custom_ops.gpu": "custom_ops/gpu",
         "inkling_compiled.graphs": "graphs",
     },
-    install_requires=["torch>=2.13", "msgspec", "safetensors", "nvtx", "tokenizers", "ninja", "numpy"],
+    # triton: the CUDA kernels, and (with numpy) their interpreter on CPU, where the tests run them.
+    install_requires=["torch>=2.13", "msgspec", "safetensors", "nvtx", "tokenizers", "ninja", "numpy",
+                      "triton==3.7.1; platform_system == \"Linux\" and platform_machine == \"x86_64\""],
     # The C++ CPU kernels are compiled on first use (torch.utils.cpp_extension), so their source ships.
     package_data={"inkling_compiled.custom_ops": ["csrc/*.cpp"]},
     extras_require={

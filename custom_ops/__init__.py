@@ -2,7 +2,7 @@
 
 Every write into the conv-state pool or the KV cache goes through one of these ops, each declaring
 the slice it mutates. Each op has a fake kernel, a plain-torch reference, a CPU kernel (C++, `csrc/`)
-and a capturable CUDA kernel, registered per dispatch key (`library.KERNELS`); `reference.py` holds
+and a capturable CUDA kernel (Triton, `gpu/`), registered per dispatch key (`library.KERNELS`); `reference.py` holds
 the conv math the kernels are tested against.
 """
 

@@ -2,8 +2,8 @@
 
 Opaque ops so that the compiled step keeps one static shape while the kernel reads only the keys its
 rows need. The paged reference looks at `seq_lens` on the host to read just the pages the longest row
-covers; the capturable kernel cannot look, so it reads the table's full width, masked. The ring
-reference (`attention.attend_ring`) never looks at its data, so it is the CUDA kernel as well.
+covers; the CUDA kernel (`gpu/attention.py`) cannot look, so each of its programs reads only the keys
+its row has, split over key blocks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from inkling_compiled.attention import attend, attend_ring
 from inkling_compiled.kv_layout import page_location, pages_for
 
-from .library import define
+from .library import define, gpu_kernel
 
 
 def _attend_pages(q, k_cache, v_cache, table, tau, block_table, cache_indices, seq_lens, page_size: int,
@@ -47,19 +47,15 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                          rel_extent, pages)
 
 
-def paged_attention_capturable(q, k_cache, v_cache, table, tau, block_table, cache_indices, seq_lens,
-                               page_size: int, rel_extent: int) -> torch.Tensor:
-    return _attend_pages(q, k_cache, v_cache, table, tau, block_table, cache_indices, seq_lens, page_size,
-                         rel_extent, block_table.shape[1])
-
-
 paged_attention = define(
     "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor? tau, Tensor block_table, "
     "Tensor cache_indices, Tensor seq_lens, int page_size, int rel_extent) -> Tensor",
-    fake=lambda q, *args: torch.empty_like(q), reference=paged_attention_reference, cuda=paged_attention_capturable)
+    fake=lambda q, *args: torch.empty_like(q), reference=paged_attention_reference,
+    cuda=gpu_kernel("attention", "paged_attention"))
 
 
 ring_attention = define(
     "ring_attention(Tensor q, Tensor k_ring, Tensor v_ring, Tensor table, Tensor positions, Tensor cache_indices, "
     "int window, int rel_extent) -> Tensor",
-    fake=lambda q, *args: torch.empty_like(q), reference=attend_ring, cuda=attend_ring)
+    fake=lambda q, *args: torch.empty_like(q), reference=attend_ring,
+    cuda=gpu_kernel("attention", "ring_attention"))

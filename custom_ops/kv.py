@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .library import define
+from .library import define, gpu_kernel
 
 
 def kv_write_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -19,15 +19,7 @@ def kv_write_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Te
     v_cache.index_copy_(0, loc, v[keep])
 
 
-def kv_write_capturable(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        locations: torch.Tensor) -> None:
-    """The same without boolean indexing (a host sync): skipped tokens are written to location 0, which
-    belongs to the dummy slot / page that no request reads."""
-    loc = locations.clamp(min=0)
-    k_cache.index_copy_(0, loc, k)
-    v_cache.index_copy_(0, loc, v)
-
-
 kv_write = define(
     "kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor locations) -> ()",
-    fake=lambda k_cache, v_cache, k, v, locations: None, reference=kv_write_reference, cuda=kv_write_capturable)
+    fake=lambda k_cache, v_cache, k, v, locations: None, reference=kv_write_reference,
+    cuda=gpu_kernel("kv", "kv_write"))

@@ -7,8 +7,9 @@ Every op is defined from its schema (mutated arguments marked `(a!)`) with:
   its data on the host (a sync), so it is for tests and for CPU when nothing faster is there;
 - a `CPU` kernel: the C++ kernel of `csrc/inkling_cpu.cpp`, built and swapped in on the first call
   (`register_cpu_kernels`, `native_kernels`), else the reference (INKLING_NATIVE_KERNELS=0 forces that);
-- a `CUDA` kernel: capturable (no host sync, static shapes, fit for CUDA graphs). Until Triton
-  kernels land these are plain torch, so tests run them on CPU tensors against the references.
+- a `CUDA` kernel: a Triton launcher of `gpu/` (`gpu_kernel`), capturable (no host sync, shapes and
+  grids from input shapes only, fit for CUDA graphs); under `TRITON_INTERPRET=1` tests run it on CPU
+  tensors against the reference.
 
 `KERNELS[name]` lists what each dispatch key runs. Ops are defined with `define`/`impl` rather than
 `torch.library.custom_op`, whose Python wrapper sits on every call: a decode step makes
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import importlib
 import logging
 import os
 import platform
@@ -58,6 +60,21 @@ def define(schema: str, *, fake: Callable, reference: Callable, cuda: Callable, 
     torch.library.register_fake(f"inkling::{name}", fake, lib=LIB)
     KERNELS[name] = {"reference": reference, "CPU": cpu or reference, "CUDA": cuda}
     return getattr(torch.ops.inkling, name).default
+
+
+def gpu_kernel(module: str, name: str) -> Callable:
+    """The CUDA kernel `gpu.<module>.<name>` (a Triton launcher), imported on its first call: triton
+    loads only in a process that runs an op on CUDA (or a test that asks for the kernel)."""
+    launcher: Callable | None = None
+
+    def launch(*args, **kwargs):
+        nonlocal launcher
+        if launcher is None:
+            launcher = getattr(importlib.import_module(f"{__package__}.gpu.{module}"), name)
+        return launcher(*args, **kwargs)
+
+    launch.__name__ = launch.__qualname__ = f"{module}.{name}"
+    return launch
 
 
 def register_cpu_kernels() -> None:

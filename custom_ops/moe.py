@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .library import define
+from .library import define, gpu_kernel
 
 
 def moe_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -36,19 +36,7 @@ def moe_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: to
     return out
 
 
-def moe_experts_capturable(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                           down: torch.Tensor) -> torch.Tensor:
-    """Without host syncs (CUDA graphs): every expert runs on every row, weighted by 0 where unchosen.
-    Correct at any batch, but it reads all experts; a grouped GPU kernel is the place to beat it."""
-    out = torch.zeros_like(x)
-    for e in range(gate_up.shape[0]):
-        w = (weights * (expert_ids == e)).sum(dim=1, keepdim=True)
-        gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)
-        out = out + F.linear(F.silu(gate) * up, down[e]) * w
-    return out
-
-
 moe_experts = define(
     "moe_experts(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, Tensor down) -> Tensor",
     fake=lambda x, expert_ids, weights, gate_up, down: torch.empty_like(x), reference=moe_experts_reference,
-    cuda=moe_experts_capturable)
+    cuda=gpu_kernel("moe", "moe_experts"))

@@ -2,15 +2,15 @@
 
 A full-vocabulary sort is expensive, and greedy or plain-temperature rows do not need it. Deciding
 that is data-dependent, which a static graph cannot express without a branch; as an opaque op the
-kernel simply looks (on the host, where looking is free). The capturable kernel cannot look, so it
-filters every row (a no-op for rows with top_k=0 and top_p=1).
+kernel simply looks (on the host, where looking is free). The CUDA kernel (`gpu/sampling.py`) cannot
+look: it finds each row's cut-offs by bisection, with no sort at all, and copies rows that filter nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .library import define
+from .library import define, gpu_kernel
 
 
 def filter_rows(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -39,4 +39,4 @@ def top_k_top_p_reference(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torc
 
 top_k_top_p = define("top_k_top_p(Tensor scaled, Tensor top_k, Tensor top_p) -> Tensor",
                      fake=lambda scaled, top_k, top_p: torch.empty_like(scaled), reference=top_k_top_p_reference,
-                     cuda=filter_rows)
+                     cuda=gpu_kernel("sampling", "top_k_top_p"))

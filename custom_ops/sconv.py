@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .library import define
+from .library import define, gpu_kernel
 from .reference import packed_causal_conv
 
 
@@ -56,14 +56,14 @@ def sconv_extend_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.T
     return y
 
 
-# The references are already capturable (no host sync: `repeat_interleave` is told its output size),
-# so they are the CUDA kernels too until Triton ones land.
 sconv_decode = define(
     "sconv_decode(Tensor x, Tensor(a!) state, Tensor weight, Tensor cache_indices, int layer_id=-1, int stream=-1) "
     "-> Tensor",
-    fake=lambda x, *args, **kwargs: torch.empty_like(x), reference=sconv_decode_reference, cuda=sconv_decode_reference)
+    fake=lambda x, *args, **kwargs: torch.empty_like(x), reference=sconv_decode_reference,
+    cuda=gpu_kernel("sconv", "sconv_decode"))
 
 sconv_extend = define(
     "sconv_extend(Tensor x, Tensor(a!) state, Tensor weight, Tensor query_start_loc, Tensor has_initial_state, "
     "Tensor cache_indices, int layer_id=-1, int stream=-1) -> Tensor",
-    fake=lambda x, *args, **kwargs: torch.empty_like(x), reference=sconv_extend_reference, cuda=sconv_extend_reference)
+    fake=lambda x, *args, **kwargs: torch.empty_like(x), reference=sconv_extend_reference,
+    cuda=gpu_kernel("sconv", "sconv_extend"))

@@ -10,6 +10,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+# Without a GPU the Triton (CUDA) kernels run under Triton's interpreter, on CPU tensors. Read when a
+# kernel module is first imported, which is never before a test asks for one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from inkling_compiled.tiny import build_tiny_checkpoint  # noqa: E402
 

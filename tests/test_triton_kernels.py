@@ -1,0 +1,177 @@
+"""The Triton (CUDA) kernels against the reference kernels: under TRITON_INTERPRET=1 on CPU tensors
+(conftest sets it where there is no GPU), natively on a GPU.
+
+Each case has padded rows (the dummy slot 0 / page 0 that padding writes), state or caches with
+non-contiguous slot strides, and, for the ops whose tensors follow the model's dtype (KV writes,
+attention, experts), bf16 as well as fp32. bf16 results are held to the reference run in fp32 on the
+same bf16 inputs: the kernels compute in fp32 and round once on store. The conv state and the sampled
+logits are fp32 whatever the model dtype, so those ops run in fp32 only.
+"""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from inkling_compiled.custom_ops import KERNELS
+from inkling_compiled.custom_ops.attention import paged_attention_reference
+from inkling_compiled.custom_ops.moe import moe_experts_reference
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CUDA = {name: kernels["CUDA"] for name, kernels in KERNELS.items()}
+
+
+def randn(*shape, g, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype).to(DEVICE)
+
+
+def ids(values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+
+def strided_slots(state: torch.Tensor) -> torch.Tensor:
+    """The same values in a tensor whose slot stride is not the contiguous one (every other slot of a
+    bigger buffer), as a pool slice can be."""
+    wide = torch.full((state.shape[0] * 2, *state.shape[1:]), float("nan"), dtype=state.dtype, device=state.device)
+    view = wide[::2]
+    view.copy_(state)
+    assert not view.is_contiguous()
+    return view
+
+
+def close(got, want, dtype):
+    if dtype == torch.float32:
+        return torch.allclose(got.float(), want.float(), atol=2e-5, rtol=1e-5)
+    return torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # one bf16 rounding of the result
+
+
+@pytest.mark.parametrize("K, D", [(3, 40), (4, 200)])
+def test_sconv_decode(K, D):
+    g = torch.Generator().manual_seed(K)
+    state, w, x = randn(6, K - 1, D, g=g), randn(D, K, g=g), randn(5, D, g=g)
+    idx = ids([3, 1, 5, 0, 0])  # two padded rows on the dummy slot
+    want_state = state.clone()
+    want = KERNELS["sconv_decode"]["reference"](x, want_state, w, idx)
+    got_state = strided_slots(state)
+    got = CUDA["sconv_decode"](x, got_state, w, idx)
+    live = 3
+    assert close(got[:live], want[:live], torch.float32)
+    assert torch.allclose(got_state[1:], want_state[1:], atol=0, rtol=0)  # the live windows shift exactly
+
+
+@pytest.mark.parametrize("K, D", [(3, 40), (4, 200)])
+def test_sconv_extend_with_history(K, D):
+    g = torch.Generator().manual_seed(10 + K)
+    lens = [1, 5, 2, 3, 1]  # shorter and longer than the window
+    qsl = ids([0, *torch.tensor(lens).cumsum(0).tolist()])
+    x, state, w = randn(sum(lens), D, g=g), randn(7, K - 1, D, g=g), randn(D, K, g=g)
+    init = torch.tensor([True, False, True, True, False], device=DEVICE)
+    idx = ids([2, 4, 5, 1, 0])  # the last row is padding on the dummy slot
+    want_state = state.clone()
+    want = KERNELS["sconv_extend"]["reference"](x, want_state, w, qsl, init, idx)
+    got_state = strided_slots(state)
+    got = CUDA["sconv_extend"](x, got_state, w, qsl, init, idx)
+    assert close(got, want, torch.float32)
+    assert torch.equal(got_state, want_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_skips_negative_locations(dtype):
+    g = torch.Generator().manual_seed(20)
+    k_cache, v_cache = randn(12, 2, 8, g=g, dtype=dtype), randn(12, 2, 8, g=g, dtype=dtype)
+    k, v = randn(5, 2, 8, g=g, dtype=dtype), randn(5, 2, 8, g=g, dtype=dtype)
+    loc = ids([7, -1, 3, -1, 0], dtype=torch.int64)  # -1: a ring skips it; 0: a padded row's dummy
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    KERNELS["kv_write"]["reference"](want_k, want_v, k, v, loc)
+    got_k, got_v = strided_slots(k_cache), strided_slots(v_cache)
+    CUDA["kv_write"](got_k, got_v, k, v, loc)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def fp32(args):
+    return [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tau", [False, True])
+def test_paged_attention(dtype, tau):
+    g = torch.Generator().manual_seed(30)
+    B, nh, nkv, hd, E, page, pages = 5, 6, 2, 8, 11, 4, 9
+    q, table = randn(B, nh, hd, g=g, dtype=dtype), randn(B, nh, E, g=g, dtype=dtype)
+    k_cache, v_cache = randn(40 * page, nkv, hd, g=g, dtype=dtype), randn(40 * page, nkv, hd, g=g, dtype=dtype)
+    # A table wider than any row needs (several splits, most of them past a row's length).
+    block_table = torch.randint(1, 40, (6, pages), generator=g, dtype=torch.int32).to(DEVICE)
+    block_table[0] = 0
+    cache_indices, seq_lens = ids([2, 0, 4, 1, 0]), ids([1, 1, 17, 36, 1])  # rows 1 and 4: padding
+    scale = (torch.rand(B, generator=g) + 1).to(DEVICE) if tau else None
+    args = [q, k_cache, v_cache, table, scale, block_table, cache_indices, seq_lens, page, E]
+    want = paged_attention_reference(*fp32(args))
+    got = CUDA["paged_attention"](*args[:1], strided_slots(k_cache), strided_slots(v_cache), *args[3:])
+    assert got.dtype == dtype and close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_attention(dtype):
+    g = torch.Generator().manual_seed(40)
+    B, nh, nkv, hd, E, W, slots = 5, 4, 2, 16, 6, 5, 4
+    q, table = randn(B, nh, hd, g=g, dtype=dtype), randn(B, nh, E, g=g, dtype=dtype)
+    k_ring, v_ring = randn(slots * W, nkv, hd, g=g, dtype=dtype), randn(slots * W, nkv, hd, g=g, dtype=dtype)
+    positions = ids([0, 3, 4, 12, 0], dtype=torch.int64)  # rings filling up, full, and a padded row
+    cache_indices = ids([1, 2, 3, 1, 0])
+    args = [q, k_ring, v_ring, table, positions, cache_indices, W, E]
+    want = KERNELS["ring_attention"]["reference"](*fp32(args))
+    got = CUDA["ring_attention"](*args)
+    assert got.dtype == dtype and close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_moe_experts(dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    E, k, H, I = 8, 3, 48, 40
+    x = randn(tokens, H, g=g, dtype=dtype)
+    expert_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, k, generator=g).to(dtype).to(DEVICE)
+    gate_up, down = randn(E, 2 * I, H, g=g, dtype=dtype) / 7, randn(E, H, I, g=g, dtype=dtype) / 7
+    args = [x, expert_ids, weights, gate_up, down]
+    want = moe_experts_reference(*fp32(args))
+    got = CUDA["moe_experts"](*args)
+    assert got.dtype == dtype and close(got, want, dtype)
+
+
+def test_moe_alignment_is_static_and_never_looks_at_data():
+    """What makes the expert kernels capturable: the alignment runs on tensors without data (fake
+    tensors), so it has no host sync and its shapes follow from (tokens, k, experts) alone."""
+    from inkling_compiled.custom_ops.gpu.moe import BM, align_pairs
+
+    with FakeTensorMode():
+        pair_of, block_expert = align_pairs(torch.randint(0, 8, (5, 3)), 8)
+    assert block_expert.shape == (-(-15 // BM) + 8,) and pair_of.shape == (block_expert.shape[0] * BM,)
+
+
+def test_moe_alignment_groups_every_pair_by_expert():
+    from inkling_compiled.custom_ops.gpu.moe import BM, align_pairs
+
+    expert_ids = ids([[3, 0], [3, 1], [0, 3], [5, 3]], dtype=torch.int64)
+    pair_of, block_expert = align_pairs(expert_ids, 8)
+    P, flat = 8, expert_ids.reshape(-1).tolist()
+    rows = pair_of.view(-1, BM).tolist()
+    served = sorted(p for row in rows for p in row if p < P)
+    assert served == list(range(P))  # every pair exactly once
+    for row, e in zip(rows, block_expert.tolist()):
+        live = [p for p in row if p < P]
+        assert (e == -1) == (not live) and all(flat[p] == e for p in live)  # one expert per block
+
+
+@pytest.mark.parametrize("vocab", [300, 2500])
+def test_top_k_top_p_without_a_sort_equals_the_sorting_reference(vocab):
+    """Exactly equal, ties included: bf16-rounded logits give many equal values at the cut-offs."""
+    g = torch.Generator().manual_seed(vocab)
+    scaled = randn(8, vocab, g=g) * 3
+    scaled[5] = torch.randn(vocab, generator=g).bfloat16().float().round().to(DEVICE)
+    scaled[6, :10] = 5.0  # ten-way tie at the top
+    top_k = ids([0, 5, 0, 40, 1, 7, 12, vocab + 3], dtype=torch.int64)
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.5, 0.3, 0.8, 0.95, 0.6], device=DEVICE)
+    want = KERNELS["top_k_top_p"]["reference"](scaled, top_k, top_p)
+    got = CUDA["top_k_top_p"](scaled, top_k, top_p)
+    assert torch.equal(got, want)
