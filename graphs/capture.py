@@ -35,6 +35,7 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 _DYNAMO_STATE = threading.RLock()
 BACKENDS = ("inductor", "eager", "aot_eager", "tensorrt")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+RECORDING_CALLS = 2  # calls after a bucket's first that CUDA graph trees take to record its graph
 
 
 def choose_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
@@ -129,7 +130,10 @@ class CompiledDecoder:
             kwargs["mode"], options = mode, {}
         if options:
             kwargs["options"] = options
-        self.cuda_graphs = mode in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
+        # Whether outputs live in memory the next replay overwrites: any mode that records CUDA graphs,
+        # or a backend callable that says so (`reuses_outputs = True`, as one with static output buffers).
+        self.cuda_graphs = (mode in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
+                            or bool(getattr(self.compiler, "reuses_outputs", False)))
         self.compiled = torch.compile(step, **kwargs)
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its first call took
         self.graph_of: dict[int, int] = {}  # bucket -> index of the graph that serves it (in compile order)
@@ -164,6 +168,10 @@ class CompiledDecoder:
                 progress(f"compiling the decode step: bucket {b}", i, len(todo))
             self.prepare_padding(b)
             self._first_call(b)
+            # CUDA graph trees run a new graph once to warm it, record it on the next call and replay it
+            # from the one after: a bucket is recorded before its first request.
+            for _ in range(RECORDING_CALLS if self.cuda_graphs else 0):
+                self.run(b)
         return dict(self.compile_seconds)
 
     def warm_bucket(self, bucket: int) -> float:

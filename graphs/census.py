@@ -64,7 +64,9 @@ class GraphRecorder:
     """A Dynamo backend that keeps every FX graph it is handed, then compiles it with `inner`.
 
     With track_addresses, each call of graph i also records the data_ptr of every tensor input
-    (`addresses[i]`, one list per call): what "static input" has to mean for CUDA graphs.
+    (`addresses[i]`, one list per call; None for a size) and its sizes (`sizes[i]`, the symbolic batch
+    of each call): a graph serving several buckets must keep each bucket's inputs in place, which is
+    what "static input" has to mean for CUDA graphs (they record one graph per bucket).
     """
 
     def __init__(self, inner: str | Callable = "eager", track_addresses: bool = False):
@@ -72,6 +74,7 @@ class GraphRecorder:
         self.track_addresses = track_addresses
         self.graphs: list[torch.fx.GraphModule] = []
         self.addresses: list[list[list[int | None]]] = []
+        self.sizes: list[list[tuple[int, ...]]] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.graphs.append(gm)
@@ -84,10 +87,13 @@ class GraphRecorder:
         if not self.track_addresses:
             return compiled
         calls: list[list[int | None]] = []
+        sizes: list[tuple[int, ...]] = []
         self.addresses.append(calls)
+        self.sizes.append(sizes)
 
         def run(*args):
             calls.append([a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args])
+            sizes.append(tuple(a for a in args if isinstance(a, int)))
             return compiled(*args)
 
         return run

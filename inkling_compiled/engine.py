@@ -305,11 +305,7 @@ class Engine:
         return admitted
 
     def _record(self, reqs: list[Request], out: StepOutput) -> None:
-        tokens = out.tokens.tolist()
-        chosen = out.chosen_logprobs.tolist()
-        top_n = max(r.params.top_logprobs for r in reqs)
-        top_ids = out.top_ids[:, :top_n].tolist() if top_n else None
-        top_vals = out.top_logprobs[:, :top_n].tolist() if top_n else None
+        tokens, chosen, top_ids, top_vals = out.to_host(max(r.params.top_logprobs for r in reqs))
         for i, req in enumerate(reqs):
             tok = tokens[i]
             req.output.append(tok)

@@ -1,9 +1,9 @@
 """The per-step metadata: one `StepMetadata` object, and the graph-static buffers it is filled from.
 
-Buffers are allocated once from the configured maxima and never grow: a step that does not fit
-raises, naming the bound. `prepare_*` refills them in place, writing through numpy views of host
-memory (no tensor is allocated per step), and points the single `StepMetadata` at leading slices of
-them; the layers only read it. Nothing here touches the pool's state tensors: prep reads the host
+The buffer is allocated once from the configured maxima and never grows: a step that does not fit
+raises, naming the bound. `prepare_*` refills it in place, writing through numpy views of host
+memory (no tensor storage is allocated per step), and points the single `StepMetadata` at the step's
+fields in it; the layers only read it. Nothing here touches the pool's state tensors: prep reads the host
 mirror of the block table, nothing else.
 """
 
@@ -84,32 +84,90 @@ def _mark_unbacked(view: torch.Tensor, shape_id: str) -> None:
         torch._dynamo.decorators.mark_unbacked(view, 0)
 
 
+def mark_static(tensor: torch.Tensor) -> torch.Tensor:
+    """Tells Dynamo (and so CUDA graphs) that the tensor lives at one address for good: a graph reads it
+    in place instead of copying it into a graph-owned input at every replay."""
+    torch._dynamo.mark_static_address(tensor, guard=False)
+    return tensor
+
+
+_ALIGN = 16  # bytes: every field starts aligned for its dtype (and for vector loads)
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+
+
+class FieldRegion:
+    """Every metadata field, for up to `rows` rows and `tokens` tokens, at a fixed offset in one byte
+    buffer (per-row fields first, so a small step's fields end early): one host-to-device copy moves a
+    step. On CPU the host side is the buffer itself. Elsewhere it is a host copy (pinned on CUDA), copied
+    with one non-blocking copy; an event makes the next prep wait until that copy has read it."""
+
+    def __init__(self, rows: int, tokens: int, device: torch.device, staged: bool | None = None):
+        lengths = {name: rows + spec.extra if isinstance(spec, PerRow) else tokens for name, spec in BUFFER_SPECS.items()}
+        order = sorted(BUFFER_SPECS, key=lambda name: not isinstance(BUFFER_SPECS[name], PerRow))
+        self.offsets, offset = {}, 0
+        for name in order:
+            self.offsets[name] = offset
+            offset += -(-lengths[name] * BUFFER_SPECS[name].dtype.itemsize // _ALIGN) * _ALIGN
+        self.last = order[-1]
+        self.bytes = mark_static(torch.zeros(offset, dtype=torch.uint8, device=device))
+        staged = device.type != "cpu" if staged is None else staged  # a CPU buffer may stage too (tests)
+        self.staging = torch.zeros(offset, dtype=torch.uint8, pin_memory=device.type == "cuda") if staged else self.bytes
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        host_bytes = self.staging.numpy()
+        self.fields: dict[str, torch.Tensor] = {}
+        self.host: dict[str, np.ndarray] = {}
+        for name, n in lengths.items():
+            dtype, start = BUFFER_SPECS[name].dtype, self.offsets[name]
+            end = start + n * dtype.itemsize
+            # A tensor of its own over a slice of the buffer's storage, not a view of the buffer: a view's
+            # storage offset becomes a symbol in the compiled graph, and inductor has mishandled those.
+            field = torch.empty(0, dtype=dtype, device=device).set_(self.bytes.untyped_storage()[start:end], 0, (n,))
+            self.fields[name] = mark_static(field)
+            self.host[name] = host_bytes[start:end].view(_NUMPY[dtype])
+
+    def writable(self) -> dict[str, np.ndarray]:
+        """The host fields, once the previous copy has finished reading them."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host
+
+    def publish(self, tokens: int) -> None:
+        """One copy of the bytes a step with `tokens` tokens uses (up to the last field's used part)."""
+        if self.staging is not self.bytes:
+            used = self.offsets[self.last] + tokens * BUFFER_SPECS[self.last].dtype.itemsize
+            self.bytes[:used].copy_(self.staging[:used], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+
+
 class StepBuffers:
-    """The static buffers behind the one `StepMetadata`, and the prep that fills them."""
+    """The static buffers behind the one `StepMetadata`, and the prep that fills them.
+
+    Decode steps (one token per row) fill a region sized for the largest batch, prefill steps one sized
+    for the most tokens a step may take (`FieldRegion`); either way one copy moves a step's metadata.
+    A decode step's fields are leading slices made once per batch size and kept, so a compiled graph
+    sees the same tensors (and addresses) every time it replays its bucket; all of it is marked static."""
 
     def __init__(self, config: InklingConfig, block_table_host: torch.Tensor, *, page_size: int,
-                 max_batch_size: int, max_tokens: int, device: torch.device | str = "cpu"):
+                 max_batch_size: int, max_tokens: int, device: torch.device | str = "cpu", staged: bool | None = None):
         self.page_size, self.window = page_size, config.sliding_window_size
         self.max_batch_size, self.max_tokens = max_batch_size, max(max_tokens, max_batch_size)
         self.device = torch.device(device)
-        self.tensors: dict[str, torch.Tensor] = {
-            name: torch.zeros((max_batch_size + spec.extra) if isinstance(spec, PerRow) else self.max_tokens,
-                              dtype=spec.dtype, device=self.device)
-            for name, spec in BUFFER_SPECS.items()}
-        self.metadata = StepMetadata(is_decode=True, **self.tensors)
-        # Leading slices of the buffers, made once per length: a compiled step then sees the very same
-        # tensor objects (and addresses) every time it replays its bucket.
-        self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self.decode_region = FieldRegion(max_batch_size, max_batch_size, self.device, staged)
+        self.prefill_region = FieldRegion(max_batch_size, self.max_tokens, self.device, staged)
+        self.metadata = StepMetadata(is_decode=True, **self.decode_region.fields)
         # Set by a compiled decoder that serves many batch sizes with one graph: the slices of a batch
         # size in this range get a symbolic leading dimension. A range from 1 marks it unbacked (Dynamo
         # would otherwise specialise a size of one); from 2, dynamic with bounds.
         self.symbolic_batch: range | None = None
-        # On CPU the host memory is the buffers themselves; elsewhere a host copy is staged, then copied over.
-        self._staging = self.tensors if self.device.type == "cpu" else {
-            name: torch.zeros_like(t, device="cpu") for name, t in self.tensors.items()}
-        self._host = {name: t.numpy() for name, t in self._staging.items()}
+        self._decode_views: dict[int, dict[str, torch.Tensor]] = {}  # rows -> the fields of a decode step
         self._arange = np.arange(self.max_tokens + 1, dtype=np.int64)
         self._block_table = block_table_host.numpy()  # the pool's host mirror: shares its memory
+        self._h = self.decode_region.host  # the host fields of the step being prepared
+
+    def _host(self, is_decode: bool) -> dict[str, np.ndarray]:
+        self._h = (self.decode_region if is_decode else self.prefill_region).writable()
+        return self._h
 
     def _check_bounds(self, rows: int, tokens: int) -> None:
         if rows > self.max_batch_size:
@@ -119,19 +177,22 @@ class StepBuffers:
             raise ValueError(f"step has {tokens} tokens; the metadata buffers were sized for max_tokens={self.max_tokens}")
 
     def _publish(self, is_decode: bool, rows: int, tokens: int) -> StepMetadata:
-        """Points the metadata at the filled leading slices (copying them to the device if staged)."""
+        """Copies the step's metadata to the device (if staged) and points the metadata at its fields."""
+        region = self.decode_region if is_decode else self.prefill_region
+        region.publish(tokens)
+        views = self._decode_views.get(rows) if is_decode else None
+        if views is None:
+            views = {name: field[:rows + spec.extra if isinstance(spec, PerRow) else tokens]
+                     for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
+            if is_decode:  # kept: a graph replays its bucket on these very tensors
+                self._decode_views[rows] = views
+                for name, view in views.items():
+                    mark_static(view)
+                    spec = BUFFER_SPECS[name]
+                    self._mark_symbolic(view, rows, spec.extra if isinstance(spec, PerRow) else 0)
         md = self.metadata
         md.is_decode = is_decode
-        for name, buf in self.tensors.items():
-            spec = BUFFER_SPECS[name]
-            n = rows + spec.extra if isinstance(spec, PerRow) else tokens
-            view = self._views.get((name, n))
-            if view is None:
-                view = self._views[(name, n)] = buf[:n]
-                extra = spec.extra if isinstance(spec, PerRow) else 0
-                self._mark_symbolic(view, n - extra, extra)
-            if self._staging is not self.tensors:
-                view.copy_(self._staging[name][:n], non_blocking=True)
+        for name, view in views.items():
             setattr(md, name, view)
         return md
 
@@ -147,7 +208,7 @@ class StepBuffers:
             torch._dynamo.mark_dynamic(view, 0, min=batch.start + extra, max=batch.stop - 1 + extra)
 
     def _fill_sampling(self, sampling: list[RowSampling], rows: int) -> None:
-        h, n = self._host, len(sampling)
+        h, n = self._h, len(sampling)
         for name in RowSampling.__struct_fields__:
             h[name][:n] = [getattr(s, name) for s in sampling]
             h[name][n:rows] = getattr(GREEDY_PAD, name)
@@ -155,7 +216,7 @@ class StepBuffers:
     def _fill_kv_locations(self, tokens: int, slot: np.ndarray, pos: np.ndarray, ring_kept=None) -> None:
         """Both caches' write locations of each token; a sliding layer's ring skips (-1) the tokens
         outside `ring_kept` (those a longer prompt pushes out of the window before the step ends)."""
-        h = self._host
+        h = self._h
         h["global_kv_loc"][:tokens] = page_location(self._block_table, slot, pos, self.page_size)
         ring = ring_location(slot, pos, self.window)
         h["sliding_kv_loc"][:tokens] = ring if ring_kept is None else np.where(ring_kept, ring, -1)
@@ -166,7 +227,7 @@ class StepBuffers:
         padding: slot 0, position 0, and their writes land in slot 0 / page 0."""
         n, rows = len(slots), pad_to or len(slots)
         self._check_bounds(rows, rows)
-        h = self._host
+        h = self._host(True)
         for name, values in (("input_ids", input_ids), ("cache_indices", slots), ("positions", cached_lens)):
             h[name][:n] = values
             h[name][n:rows] = 0
@@ -189,7 +250,7 @@ class StepBuffers:
         lens = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=rows)
         tokens = int(lens.sum())
         self._check_bounds(rows, tokens)
-        h = self._host
+        h = self._host(False)
         starts = np.cumsum(lens) - lens
         row_of = np.repeat(self._arange[:rows], lens)
         pos = self._arange[:tokens] - starts[row_of]

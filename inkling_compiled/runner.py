@@ -21,6 +21,19 @@ class StepOutput(msgspec.Struct):
     top_ids: torch.Tensor  # [B, n] int64, most likely first
     top_logprobs: torch.Tensor  # [B, n] fp32
 
+    def to_host(self, top_n: int, one_copy: bool | None = None
+                ) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
+        """(tokens, chosen logprobs, top ids, top logprobs) as Python lists, the tops cut to `top_n`. Off
+        the CPU (`one_copy`, by default) in one device-to-host copy: everything packed as float64, which
+        holds every token id (< 2**53) and every fp32 logprob exactly."""
+        parts = [self.tokens[:, None], self.chosen_logprobs[:, None], self.top_ids[:, :top_n],
+                 self.top_logprobs[:, :top_n]]
+        if self.tokens.device.type != "cpu" if one_copy is None else one_copy:
+            host = torch.cat([p.double() for p in parts], dim=1).cpu()
+            parts = [host[:, :1].long(), host[:, 1:2].float(), host[:, 2:2 + top_n].long(), host[:, 2 + top_n:].float()]
+        tokens, chosen, top_ids, top_vals = (p.tolist() for p in parts)
+        return [t for (t,) in tokens], [c for (c,) in chosen], top_ids, top_vals
+
 
 def forward_step(model: InklingForCausalLM, backend: StepBackend) -> tuple[torch.Tensor, ...]:
     """The whole step as one function of the static buffers (what the compiled path captures)."""

@@ -207,11 +207,92 @@ def test_graph_inputs_keep_their_addresses_across_steps(checkpoint):
     engine.generate([random_prompt(n, seed=n) for n in (4, 10, 12)], SamplingParams(max_new_tokens=5))
     engine.generate([random_prompt(5, seed=1)], SamplingParams(max_new_tokens=4))
     assert len(recorder.graphs) == 1  # buckets 1 and 4 share the symbolic graph; nothing recompiled
-    for calls in recorder.addresses:
-        assert len(calls) >= 4  # warm-up and replays
-        assert all(c == calls[0] for c in calls), "a graph input moved between replays"
-        assert sum(a is not None for a in calls[0]) > 50  # it saw the pool, metadata and weights
+    (calls,), (sizes,) = recorder.addresses, recorder.sizes
+    by_bucket: dict[tuple, list] = {}
+    for call, size in zip(calls, sizes):
+        by_bucket.setdefault(size, []).append(call)
+    assert sorted(by_bucket) == [(1,), (4,)]
+    for replays in by_bucket.values():
+        assert len(replays) >= 2  # warm-up and replays
+        assert all(c == replays[0] for c in replays), "a graph input moved between replays of its bucket"
+        assert sum(a is not None for a in replays[0]) > 50  # it saw the pool, metadata and weights
 
+
+
+def _static_kind(t: torch.Tensor):
+    return getattr(t, "_dynamo_static_input_type", None)
+
+
+def test_pool_and_metadata_are_marked_static_before_anything_compiles(checkpoint):
+    """Explicit, not left to how Dynamo happens to treat tensors reached through a module: the pool,
+    the block table and every metadata field (and each bucket's slices of them) are static inputs."""
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, progress=False)
+    buffers = engine.backend.buffers
+    tensors = {f"pool[{i}]": t for i, t in enumerate(engine.pool.static_tensors())}
+    md = buffers.prepare_padding(3)
+    tensors.update({f"metadata.{n}": getattr(md, n) for n in md.__struct_fields__ if n != "is_decode"})
+    assert len(tensors) > 20
+    assert [name for name, t in tensors.items() if _static_kind(t) is None] == []
+
+
+@pytest.mark.parametrize("graphs", ["one", "per-bucket"])
+def test_every_graph_input_is_a_static_tensor_or_the_batch_size(graphs, checkpoint):
+    """What CUDA graphs need to neither copy the cache at each replay nor refuse to capture: every tensor
+    the decode graph is fed is a static input, and nothing per step reaches it as a Python value (the
+    only other input of the one-graph step is its batch size, a symbol of the metadata's shapes)."""
+    inputs = []
+
+    def record(gm, example_inputs):
+        inputs.append(list(example_inputs))
+        return gm.forward
+
+    compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(2, 4), compile_backend=record,
+                    graph_per_bucket=graphs == "per-bucket")
+    assert len(inputs) == (2 if graphs == "per-bucket" else 1)
+    for example in inputs:
+        tensors = [x for x in example if isinstance(x, torch.Tensor)]
+        others = [x for x in example if not isinstance(x, torch.Tensor)]
+        assert len(tensors) > 100 and [x for x in tensors if _static_kind(x) is None] == []
+        assert [type(x) for x in others] == ([] if graphs == "per-bucket" else [torch.SymInt])
+
+
+class OutputReusingBackend:
+    """Returns each graph's outputs in buffers of its own that every call overwrites, as CUDA graph
+    replays do, and says so (`reuses_outputs`)."""
+
+    reuses_outputs = True
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, gm, example_inputs):
+        buffers = {}
+
+        def run(*args):
+            self.calls += 1
+            outs = gm.forward(*args)
+            key = tuple(tuple(o.shape) for o in outs)
+            if key not in buffers:
+                buffers[key] = [torch.empty_like(o) for o in outs]
+            for buffer, out in zip(buffers[key], outs):
+                buffer.copy_(out)
+            return type(outs)(buffers[key])
+
+        return run
+
+
+def test_outputs_of_replays_that_reuse_memory_survive_a_split_batch(checkpoint):
+    """10 rows on buckets (1, 4) decode as 4 + 4 + 2: the first replay's outputs must not be the
+    second's by the time the three are concatenated. And warm-up runs each bucket three times, so a
+    CUDA graph is recorded before the first request (graph trees warm, then record, then replay)."""
+    backend = OutputReusingBackend()
+    compiled = compiled_engine(checkpoint, "tiny", max_batch_size=10, buckets=(1, 4), compile_backend=backend)
+    assert compiled.decoder.cuda_graphs and backend.calls == 3 * 2
+    eager = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=10)
+    prompts = [random_prompt(n, seed=4000 + n) for n in PARITY_LENGTHS]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    assert [o.token_ids for o in compiled.generate(prompts, params)] == \
+        [o.token_ids for o in eager.generate(prompts, params)]
 
 # ---- the HiCache barrier --------------------------------------------------------------------------------
 

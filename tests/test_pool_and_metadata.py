@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from inkling_compiled.cache import StatePool
 from inkling_compiled.config import InklingConfig
 from inkling_compiled.engine import Engine
-from inkling_compiled.metadata import GREEDY_PAD
+from inkling_compiled.metadata import BUFFER_SPECS, GREEDY_PAD
 from inkling_compiled.sampling import SamplingParams
 from inkling_compiled.streams import ATTN_STREAM, K_STREAM, MLP_STREAM, MODEL_STREAMS, V_STREAM
 from inkling_compiled.tiny import TINY_CONFIGS
@@ -128,7 +128,8 @@ def test_every_conv_of_a_step_reads_the_one_metadata_object_and_its_own_pool_sli
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4)
     backend, model, pool = engine.backend, engine.model, engine.pool
     engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=1))  # warm the pool with real requests
-    buffers = {name: t.data_ptr() for name, t in backend.buffers.tensors.items()}
+    buffer = backend.buffers.decode_region.bytes
+    addresses = None
     objects = set()
     for step, (slots, lens) in enumerate((([1, 2], [3, 7]), ([2, 1], [4, 8]), ([1, 2], [5, 9]))):
         md = backend.prepare_decode([11, 12], slots, lens, [GREEDY_PAD] * 2)
@@ -145,8 +146,12 @@ def test_every_conv_of_a_step_reads_the_one_metadata_object_and_its_own_pool_sli
                 want[(layer, stream)] = pool.conv[name][index].data_ptr()
         assert {(c[3], c[4]): c[2] for c in recorder.calls} == want  # each conv its own (layer, stream) slice
         objects.add(id(md))
-        for name in buffers:  # every tensor field is a view of its static buffer
-            assert getattr(md, name).data_ptr() == buffers[name]
+        fields = {name: getattr(md, name) for name in BUFFER_SPECS}
+        for t in fields.values():  # every tensor field lies in the one static buffer
+            assert buffer.data_ptr() <= t.data_ptr() < buffer.data_ptr() + buffer.numel()
+        # and the same shape of step finds its fields where the last one did
+        assert addresses in (None, {n: t.data_ptr() for n, t in fields.items()})
+        addresses = {n: t.data_ptr() for n, t in fields.items()}
     assert len(objects) == 1
 
 
@@ -173,3 +178,59 @@ def test_static_scan_is_clean_and_catches_violations():
     assert "metadata prep `prepare_decode` calls pool accessor `sconv_state`" in problems[0]
     assert any("conv[...]" in p and "`cached`" in p for p in problems)
     assert any("kv_cache()" in p and "`view`" in p for p in problems)
+
+
+class CopyCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            self.copies.append((args[0].device.type, args[1].device.type, args[0].numel()))
+        elif func is torch.ops.aten._to_copy.default and args[0].device != kwargs.get("device", args[0].device):
+            self.copies.append((str(kwargs["device"]), args[0].device.type, args[0].numel()))
+        return func(*args, **kwargs)
+
+
+def test_a_staged_step_moves_its_metadata_in_one_copy():
+    """Off the CPU the fields are written on the host and moved by one copy per step, of only the bytes
+    the step uses (staged=True gives CPU buffers the host copy a GPU's have)."""
+    from inkling_compiled.metadata import StepBuffers
+
+    config, pool = tiny_pool()
+    buffers = StepBuffers(config, pool.block_table_host, page_size=4, max_batch_size=4, max_tokens=64, staged=True)
+    with CopyCounter() as counter:
+        decode = buffers.prepare_decode([7, 8], [1, 2], [3, 5], [GREEDY_PAD] * 2, pad_to=4)
+    assert decode.input_ids.tolist() == [7, 8, 0, 0] and decode.seq_lens.tolist() == [4, 6, 1, 1]  # arrived
+    assert len(counter.copies) == 1
+    small = counter.copies[0][2]
+    with CopyCounter() as counter:
+        buffers.prepare_prefill([[5] * 12, [6] * 10], [1, 2], [GREEDY_PAD] * 2)
+    assert len(counter.copies) == 1
+    assert small < counter.copies[0][2] < buffers.prefill_region.bytes.numel()  # only what the step uses
+    # every field of both steps lies in its region's buffer
+    for region in (buffers.decode_region, buffers.prefill_region):
+        base, end = region.staging.data_ptr(), region.staging.data_ptr() + region.staging.numel()
+        assert all(base <= h.ctypes.data < end for h in region.host.values())
+
+
+def test_step_outputs_come_back_in_one_copy_and_exactly():
+    """Token ids and logprobs packed into one float64 transfer survive it bit for bit, and off the CPU
+    that transfer is the only copy (the meta device stands in for a GPU: it has no values to list)."""
+    from inkling_compiled.runner import StepOutput
+
+    g = torch.Generator().manual_seed(0)
+    out = StepOutput(torch.tensor([5, 2**40 + 3, 262_143]), torch.randn(3, generator=g),
+                     torch.randint(0, 2**31, (3, 20), generator=g), torch.randn(3, 20, generator=g))
+    want = out.to_host(4)  # CPU: read directly
+    assert want[0] == [5, 2**40 + 3, 262_143] and len(want[2][0]) == 4
+    assert out.to_host(4, one_copy=True) == want
+    packed = StepOutput(*(t.to("meta") for t in (out.tokens, out.chosen_logprobs, out.top_ids, out.top_logprobs)))
+    with CopyCounter() as counter:
+        try:
+            packed.to_host(4)
+        except NotImplementedError:  # meta tensors have no values to list; the copy is what is counted
+            pass
+    assert len(counter.copies) == 1

@@ -18,6 +18,7 @@ import torch
 from ..config import InklingConfig
 from ..custom_ops import barrier
 from ..kv_layout import pages_for
+from ..metadata import mark_static
 from ..streams import MODEL_STREAMS, StreamTable
 from .allocator import IndexAllocator
 
@@ -51,6 +52,10 @@ class StatePool:
                            for _ in range(2)] if self.sliding_layers else []
         self.block_table = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32, device=device)
         self.block_table_host = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32)  # mirror for prep
+
+        # Static for Dynamo and CUDA graphs: a compiled step reads and writes them in place, at every replay.
+        for t in self.static_tensors():
+            mark_static(t)
 
         self.slots = IndexAllocator(S, "slot")
         self.pages = IndexAllocator(num_pages - 1, "page")
@@ -129,6 +134,10 @@ class StatePool:
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors decode steps write: every conv stream and K/V cache (what a copy must never touch)."""
         return [*self.conv.values(), *self.global_kv, *self.sliding_kv]
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step may read or write: the state tensors, the draft windows, the block table."""
+        return [*self.state_tensors(), *self.intermediate_conv_window.values(), self.block_table]
 
     def kv_index(self, layer_id: int) -> tuple[list[torch.Tensor], int]:
         """Waits like `layer_index`; (the [k, v] tensors of the layer's kind, the layer's index in them)."""
