@@ -97,12 +97,18 @@ class PoolContext:
         k_cache, v_cache = self.kv_cache(layer_id)
         torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
         table = r @ rel_proj
-        if not md.is_decode:  # eager prefill: the spans may be read on the host
-            qsl = md.query_start_loc.tolist()
-            return attend_from_scratch(self.config, g, q, k, v, table, md.positions, list(zip(qsl[:-1], qsl[1:])))
+        if not md.is_decode:
+            return self.prefill_attention(g, q, k, v, table)
         if g.sliding:
             return torch.ops.inkling.ring_attention(q, k_cache, v_cache, table, md.positions, md.cache_indices, g.window,
                                                     g.rel_extent)
         tau = self.config.log_scale(md.positions) if g.log_scaling else None
         return torch.ops.inkling.paged_attention(q, k_cache, v_cache, table, tau, self.pool.block_table,
                                                  md.cache_indices, md.seq_lens, self.pool.page_size, g.rel_extent)
+
+    def prefill_attention(self, g: LayerGeometry, q, k, v, table) -> torch.Tensor:
+        """Eager prefill only (never traced: the host-sync scan knows it as such): the packed spans are
+        read on the host."""
+        md = self.metadata
+        qsl = md.query_start_loc.tolist()
+        return attend_from_scratch(self.config, g, q, k, v, table, md.positions, list(zip(qsl[:-1], qsl[1:])))
