@@ -43,8 +43,7 @@ def align_pairs(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, P, k, H, I, sx, sw_e, sw_n, sa,
-                    UPCAST: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr):
+                    UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """act[block row, n] = silu(gate_e . x_token) * (up_e . x_token) for the block's pairs."""
     blk, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + blk)
@@ -64,17 +63,20 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, P, k, H, I, sx,
             xa = tl.load(x_ptr + token[:, None] * sx + kk[None, :], mask=live[:, None] & km[None, :], other=0.0)
             wg = tl.load(w_e + n[None, :] * sw_n + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
             wu = tl.load(w_e + (n[None, :] + I) * sw_n + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
-            if UPCAST:
+            if UPCAST:  # exact fp32 products ("ieee", not tf32)
                 xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-            gate += tl.dot(xa, wg, input_precision=PREC)
-            up += tl.dot(xa, wu, input_precision=PREC)
+                gate += tl.dot(xa, wg, input_precision="ieee")
+                up += tl.dot(xa, wu, input_precision="ieee")
+            else:
+                gate += tl.dot(xa, wg)
+                up += tl.dot(xa, wu)
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(act_ptr + r[:, None] * sa + n[None, :], act.to(act_ptr.dtype.element_ty), mask=nm[None, :])
 
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, weight_ptr, out_ptr, P, H, I, sa, sw_e, sw_n, so,
-                 UPCAST: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[pair, n] = weight[pair] * (down_e . act[block row]) for the block's live pairs."""
     blk, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + blk)
@@ -92,8 +94,9 @@ def _down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, weight_ptr, out_ptr, P, H
             a = tl.load(act_ptr + r[:, None] * sa + kk[None, :], mask=live[:, None] & km[None, :], other=0.0)
             w = tl.load(w_e + n[None, :] * sw_n + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
             if UPCAST:
-                a, w = a.to(tl.float32), w.to(tl.float32)
-            acc += tl.dot(a, w, input_precision=PREC)
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, w)
         route_w = tl.load(weight_ptr + pair, mask=live, other=0.0).to(tl.float32)
         tl.store(out_ptr + pair[:, None] * so + n[None, :], acc * route_w[:, None], mask=live[:, None] & nm[None, :])
 
@@ -109,13 +112,12 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     pair_of, block_expert = align_pairs(expert_ids, E)
     blocks = block_expert.shape[0]
     upcast = _INTERPRETED or x.dtype == torch.float32
-    prec = "ieee"  # used only for fp32 operands: exact products, not tf32
     act = torch.empty(blocks * BM, I, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(I, BN))](
         x, gate_up, pair_of, block_expert, act, P, k, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), UPCAST=upcast, PREC=prec, BM=BM, BN=BN, BK=BK)
+        act.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)
     per_pair = torch.empty(P, H, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(H, BN))](
         act, down, pair_of, block_expert, weights.reshape(-1), per_pair, P, H, I, act.stride(0), down.stride(0),
-        down.stride(1), per_pair.stride(0), UPCAST=upcast, PREC=prec, BM=BM, BN=BN, BK=BK)
+        down.stride(1), per_pair.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)
     return per_pair.view(T, k, H).sum(dim=1).to(x.dtype)
