@@ -19,6 +19,7 @@ Every op is defined from its schema (mutated arguments marked `(a!)`) with:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -28,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -64,14 +66,20 @@ def define(schema: str, *, fake: Callable, reference: Callable, cuda: Callable, 
 
 def gpu_kernel(module: str, name: str) -> Callable:
     """The CUDA kernel `gpu.<module>.<name>` (a Triton launcher), imported on its first call: triton
-    loads only in a process that runs an op on CUDA (or a test that asks for the kernel)."""
+    loads only in a process that runs an op on CUDA (or a test that asks for the kernel). Triton
+    launches on the current device, so the call runs with its tensors' device current (the dispatcher
+    sets no device for Python kernels)."""
     launcher: Callable | None = None
 
     def launch(*args, **kwargs):
         nonlocal launcher
         if launcher is None:
             launcher = getattr(importlib.import_module(f"{__package__}.gpu.{module}"), name)
-        return launcher(*args, **kwargs)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        if device.type != "cuda":  # the interpreter, on CPU tensors
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(device):
+            return launcher(*args, **kwargs)
 
     launch.__name__ = launch.__qualname__ = f"{module}.{name}"
     return launch
@@ -134,6 +142,22 @@ def native_kernels() -> bool:
         if not _native:
             _register_python_cpu(NATIVE_CPU_OPS)
         return _native
+
+
+@contextlib.contextmanager
+def reference_kernels(*ops: str):
+    """Runs the named ops on their plain-torch reference kernels on CPU while the block runs (the C++
+    ones serve again after): to tell a kernel's arithmetic from everything around it."""
+    native_kernels()  # the C++ kernels load first, or they would register over the override
+    override = torch.library.Library("inkling", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+            for op in ops:
+                override.impl(op, KERNELS[op]["reference"], "CPU")
+        yield
+    finally:
+        override._destroy()
 
 
 def build_in_background() -> None:

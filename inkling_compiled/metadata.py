@@ -110,7 +110,11 @@ class FieldRegion:
             offset += -(-lengths[name] * BUFFER_SPECS[name].dtype.itemsize // _ALIGN) * _ALIGN
         self.last = order[-1]
         self.bytes = mark_static(torch.zeros(offset, dtype=torch.uint8, device=device))
-        staged = device.type != "cpu" if staged is None else staged  # a CPU buffer may stage too (tests)
+        if staged is None:
+            staged = device.type != "cpu"
+        elif not staged and device.type != "cpu":
+            raise ValueError(f"metadata on {device} needs a host copy to be written through (staged=True)")
+        # (a CPU buffer may stage too: tests check the copy path that way)
         self.staging = torch.zeros(offset, dtype=torch.uint8, pin_memory=device.type == "cuda") if staged else self.bytes
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         host_bytes = self.staging.numpy()
@@ -136,8 +140,8 @@ class FieldRegion:
         if self.staging is not self.bytes:
             used = self.offsets[self.last] + tokens * BUFFER_SPECS[self.last].dtype.itemsize
             self.bytes[:used].copy_(self.staging[:used], non_blocking=True)
-            if self._copied is not None:
-                self._copied.record()
+            if self._copied is not None:  # on the stream the copy ran on: the device's, not the current one
+                self._copied.record(torch.cuda.current_stream(self.bytes.device))
 
 
 class StepBuffers:

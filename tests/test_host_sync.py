@@ -30,7 +30,13 @@ def test_each_kind_of_sync_is_caught_where_it_is_traced():
         "    e = torch.nonzero(x)\n"
         "    f = x.unique()\n"
         "    g = torch.bincount(lens)\n"
-        "    return x.float()\n"
+        "    h = x.to('cpu')\n"
+        "    torch.cuda.synchronize()\n"
+        "    i = float(x[0])\n"
+        "    j = torch.where(x > 0)\n"
+        "    if x.any():\n"
+        "        pass\n"
+        "    return torch.where(x > 0, x, 0.0).float()\n"
         "def host_side(x):\n"
         "    return x.tolist()\n"
         "class PoolContext:\n"
@@ -41,9 +47,10 @@ def test_each_kind_of_sync_is_caught_where_it_is_traced():
         "op = define('op(Tensor x) -> Tensor', fake=None, reference=None, cuda=kernel)\n"
     )
     problems = scan_host_sync.scan_source(source, "m.py", {"traced", "PoolContext"})
-    assert [p.split(":")[1] for p in problems] == ["2", "3", "4", "5", "6", "7", "8", "16"]
+    assert [p.split(":")[1] for p in problems] == ["2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13",
+                                                   "22"]
     assert "`kernel` gives a shape that depends on data (nonzero)" in problems[-1]  # registered as CUDA kernel
-    assert scan_host_sync.scan_source(source, "m.py", set())[0].startswith("m.py:16")  # out of scope: only cuda=
+    assert scan_host_sync.scan_source(source, "m.py", set())[0].startswith("m.py:22")  # out of scope: only cuda=
 
 
 def test_the_scan_covers_every_function_a_decode_step_runs(checkpoint):

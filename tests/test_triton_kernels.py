@@ -8,9 +8,16 @@ same bf16 inputs: the kernels compute in fp32 and round once on store. The conv 
 logits are fp32 whatever the model dtype, so those ops run in fp32 only.
 """
 
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from inkling_compiled.custom_ops import KERNELS
 from inkling_compiled.custom_ops.attention import paged_attention_reference
@@ -126,13 +133,16 @@ def test_ring_attention(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
-def test_moe_experts(dtype, tokens):
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])  # the loader keeps wide outputs column-major
+def test_moe_experts(dtype, tokens, layout):
     g = torch.Generator().manual_seed(tokens)
     E, k, H, I = 8, 3, 48, 40
     x = randn(tokens, H, g=g, dtype=dtype)
     expert_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(DEVICE)
     weights = torch.rand(tokens, k, generator=g).to(dtype).to(DEVICE)
     gate_up, down = randn(E, 2 * I, H, g=g, dtype=dtype) / 7, randn(E, H, I, g=g, dtype=dtype) / 7
+    if layout == "column-major":
+        gate_up, down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (gate_up, down))
     args = [x, expert_ids, weights, gate_up, down]
     want = moe_experts_reference(*fp32(args))
     got = CUDA["moe_experts"](*args)
@@ -175,3 +185,70 @@ def test_top_k_top_p_without_a_sort_equals_the_sorting_reference(vocab):
     want = KERNELS["top_k_top_p"]["reference"](scaled, top_k, top_p)
     got = CUDA["top_k_top_p"](scaled, top_k, top_p)
     assert torch.equal(got, want)
+
+
+def test_top_k_top_p_edge_rows():
+    """Signed zeros (one value to the reference), a value one ulp below a negative cut, all-equal rows,
+    -inf entries, the huge values a tiny temperature gives, and unfiltered rows of a real vocabulary."""
+    below = torch.nextafter(torch.tensor(-1.0), torch.tensor(-2.0)).item()
+    rows = [([3.0, 0.0, -0.0, -2.0], 2, 0.99), ([1.0, -1.0, below, -5.0], 0, 0.8), ([0.5] * 4, 2, 0.3),
+            ([2.0, float("-inf"), 1.0, float("-inf")], 3, 0.9), ([4e6, -3e6, 1e6, 4e6 - 0.5], 0, 0.5)]
+    scaled = torch.tensor([r[0] for r in rows], device=DEVICE)
+    top_k = ids([r[1] for r in rows], dtype=torch.int64)
+    top_p = torch.tensor([r[2] for r in rows], device=DEVICE)
+    assert torch.equal(CUDA["top_k_top_p"](scaled, top_k, top_p),
+                       KERNELS["top_k_top_p"]["reference"](scaled, top_k, top_p))
+    g = torch.Generator().manual_seed(1)
+    vocab = randn(3, 4000, g=g) * 3
+    unfiltered = CUDA["top_k_top_p"](vocab, ids([0, 0, 0], dtype=torch.int64), torch.ones(3, device=DEVICE))
+    assert torch.equal(unfiltered, vocab)
+
+
+class StubKernel:
+    """Stands in for a Triton kernel: launching it does nothing (fake tensors have no memory)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("op", ["sconv_decode", "sconv_extend", "kv_write", "paged_attention", "ring_attention",
+                                "moe_experts", "top_k_top_p"])
+def test_launchers_never_look_at_their_data(op, monkeypatch):
+    """Capturable means no host sync and nothing sized by data: each launcher, its kernels stubbed out,
+    runs on fake tensors (which have no data to look at)."""
+    module = importlib.import_module(f"inkling_compiled.custom_ops.gpu.{CUDA[op].__name__.split('.')[0]}")
+    for name in [n for n in vars(module) if n.endswith("_kernel")]:
+        monkeypatch.setattr(module, name, StubKernel())
+    g = torch.Generator().manual_seed(5)
+    i32 = dict(dtype=torch.int32)
+    state, w = torch.randn(4, 2, 8, generator=g), torch.randn(8, 3, generator=g)
+    cache = torch.randn(32, 2, 8, generator=g)
+    args = {
+        "sconv_decode": (torch.randn(2, 8, generator=g), state, w, torch.tensor([1, 0], **i32)),
+        "sconv_extend": (torch.randn(5, 8, generator=g), state, w, torch.tensor([0, 2, 5], **i32),
+                         torch.tensor([True, False]), torch.tensor([1, 2], **i32)),
+        "kv_write": (cache, cache.clone(), torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g),
+                     torch.tensor([3, -1, 9])),
+        "paged_attention": (torch.randn(2, 4, 8, generator=g), cache, cache.clone(), torch.randn(2, 4, 6, generator=g),
+                            torch.ones(2), torch.tensor([[0, 0], [1, 2]], **i32), torch.tensor([1, 0], **i32),
+                            torch.tensor([7, 1], **i32), 4, 6),
+        "ring_attention": (torch.randn(2, 4, 8, generator=g), cache, cache.clone(), torch.randn(2, 4, 6, generator=g),
+                           torch.tensor([9, 0]), torch.tensor([1, 0], **i32), 4, 6),
+        "moe_experts": (torch.randn(3, 8, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]),
+                        torch.rand(3, 2, generator=g), torch.randn(3, 12, 8, generator=g),
+                        torch.randn(3, 8, 6, generator=g)),
+        "top_k_top_p": (torch.randn(3, 10, generator=g), torch.tensor([0, 3, 0]), torch.tensor([1.0, 1.0, 0.5])),
+    }[op]
+    with FakeTensorMode() as mode:
+        CUDA[op](*tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args))
+
+
+def test_every_kernel_compiles_for_the_h200():
+    """The interpreter runs Python, not Triton's compiler: compile every launch ahead of time for
+    sm_90 with the installed triton (no GPU needed), as the GPU will."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "tools" / "aot_triton.py"), "--arch", "90"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " 0 failed" in done.stdout

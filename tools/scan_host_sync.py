@@ -3,11 +3,14 @@
     python tools/scan_host_sync.py [PATH ...]     (default: the scope below)
 
 The scope is every function the decode step traces (`TRACED`: the step, the model, the pool context,
-the attention math, the sampler), every Triton launcher (`custom_ops/gpu/`), and every Python function
-an op registers as its CUDA kernel (`define(..., cuda=f)`). In it, a call is refused if it reads data on
-the host (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `int/float/bool` of a reduction) or gives a
-shape that depends on data (`nonzero`, `argwhere`, `unique`, `masked_select`, `bincount`). Eager-only
-code inside those modules (prefill over packed spans, sequence-at-once forwards) is named in `EAGER`.
+the attention math, the sampler), every Triton launcher (`custom_ops/gpu/`) and the wrapper that calls
+them, and every Python function an op registers as its CUDA kernel (`define(..., cuda=f)`). In it, a
+call is refused if it reads data on the host (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`,
+`.to("cpu")`, `int/float/bool` of a reduction or an element, a reduction as an `if`/`while` test,
+`synchronize()`) or gives a shape that depends on data (`nonzero`, `argwhere`, `unique`,
+`masked_select`, `bincount`, one-argument `where`). Eager-only code inside those modules (prefill over
+packed spans, sequence-at-once forwards) is named in `EAGER`. What it cannot see (boolean-mask
+indexing, a tensor in a Python loop's range) Dynamo's fullgraph tracing refuses in the traced code.
 Exit status 1 and one line per violation when a rule is broken.
 """
 
@@ -35,6 +38,7 @@ TRACED = {
     "inkling_compiled/kv_layout.py": {"*"},
     "inkling_compiled/nvtx.py": {"*"},
     "custom_ops/gpu": {"*"},
+    "custom_ops/library.py": {"gpu_kernel"},
 }
 EAGER = {"InklingForCausalLM.forward_sequences", "PoolContext.prefill_attention"}
 
@@ -44,17 +48,35 @@ def _called(node: ast.Call) -> str | None:
     return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
 
 
+def _is_reduction(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in REDUCTIONS
+
+
 def _problem(node: ast.Call) -> str | None:
     name = _called(node)
     if isinstance(node.func, ast.Attribute) and name in HOST_READS and not node.args:
         return f"reads data on the host (.{name}())"
-    if name in DATA_SHAPED:
+    if name == "to" and any(isinstance(a, ast.Constant) and a.value == "cpu"
+                            for a in [*node.args, *(k.value for k in node.keywords)]):
+        return 'reads data on the host (.to("cpu"))'
+    if name == "synchronize":
+        return "waits for the device (synchronize())"
+    if name in DATA_SHAPED or (name == "where" and len(node.args) == 1 and not node.keywords):
         return f"gives a shape that depends on data ({name})"
     if isinstance(node.func, ast.Name) and name in ("int", "float", "bool") and node.args:
         inner = node.args[0]
-        if isinstance(inner, ast.Call) and _called(inner) in REDUCTIONS:
-            return f"reads data on the host ({name}() of .{_called(inner)}())"
+        if _is_reduction(inner):
+            return f"reads data on the host ({name}() of .{inner.func.attr}())"
+        if isinstance(inner, ast.Subscript):
+            return f"reads data on the host ({name}() of an element)"
     return None
+
+
+def _branch_problems(fn: ast.AST):
+    """(line, why) of each `if`/`while` whose test is a reduction: a host read of its result."""
+    for node in ast.walk(fn):
+        if isinstance(node, (ast.If, ast.While, ast.IfExp)) and _is_reduction(node.test):
+            yield node.lineno, f"branches on data on the host (`if ....{node.test.func.attr}()`)"
 
 
 def _functions(tree: ast.AST, prefix: str = ""):
@@ -91,6 +113,8 @@ def scan_source(source: str, filename: str, scope: set[str]) -> list[str]:
                 why = _problem(node)
                 if why:
                     problems.append(f"{filename}:{node.lineno}: `{qual}` {why}")
+        problems += [f"{filename}:{line}: `{qual}` {why}" for line, why in _branch_problems(fn)
+                     if not any(line in range(n.lineno, n.end_lineno + 1) for _, n in _functions(fn))]
     return problems
 
 

@@ -2,6 +2,7 @@
 // file only registers CPU implementations. Built with -ffp-contract=off so that every product and sum
 // rounds exactly as the plain-torch references do: the conv kernels are bit-identical to them.
 #include <ATen/ATen.h>
+#include <ATen/CPUFunctions.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
@@ -176,7 +177,11 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, co
 
 // Decode attention of one query per row over its paged keys (global layers): the recipe of
 // inkling_compiled/attention.py (band bias, log scale tau, 1/hd, fp32 softmax). fp32 or bf16 tensors;
-// the arithmetic is fp32 either way, the output is rounded to the query's dtype.
+// the arithmetic is fp32 either way. In bf16 each intermediate that attend() (and transformers) keeps
+// in bf16 is rounded to bf16 where attend() rounds it: q*tau, the q.k dot (summed in fp32), its 1/hd
+// product, bias*tau and the score sum; the softmax is ATen's fp32 softmax of the rounded scores, its
+// probabilities rounded to bf16; p.v is summed in fp32 and the output rounded once, as ATen's bf16
+// matmul does.
 // fp32 dot product and y += s * x, built per instruction set with the matmul below.
 float fp32_dot(const float* a, const float* b, int64_t n);
 void fp32_axpy(float s, const float* x, float* y, int64_t n);
@@ -198,10 +203,18 @@ struct RingKeys {
   int64_t location(int64_t slot, int64_t p) const { return slot * window + p % window; }
 };
 
+// x rounded to scalar_t and back (round to nearest even, as torch's .to(bf16)); the identity in fp32.
+template <typename scalar_t>
+inline float rounded(float x) {
+  if constexpr (std::is_same_v<scalar_t, float>) return x;
+  else return static_cast<float>(static_cast<scalar_t>(x));
+}
+
 template <typename scalar_t, typename Keys>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& table, const at::Tensor& tau, const Keys& keys, const at::Tensor& idx,
                            const at::Tensor& positions, int64_t rel_extent, at::Tensor& out) {
+  constexpr bool fp32 = std::is_same_v<scalar_t, float>;
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), E = table.size(2);
   const int64_t group = nh / nkv;
   const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -211,7 +224,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t k0 = k_cache.stride(0), k1 = k_cache.stride(1), v0 = v_cache.stride(0), v1 = v_cache.stride(1);
   const float inv_hd = 1.0f / static_cast<float>(hd);
-  std::vector<float> qs(hd), scores, acc(hd);
+  std::vector<float> qs(hd), scores, probs, acc(hd);
   std::vector<int64_t> locs;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t pos = positions.data_ptr<int64_t>()[b], slot = idx.data_ptr<int32_t>()[b];
@@ -219,45 +232,68 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     locs.resize(n);
     for (int64_t j = 0; j < n; ++j) locs[j] = keys.location(slot, first + j);
     const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
-    scores.resize(n);
-    for (int64_t h = 0; h < nh; ++h) {
+    // The scores of head h into sh[0..n): in bf16 each step rounded as attend() rounds it.
+    auto head_scores = [&](int64_t h, float* sh) {
       const scalar_t* qh = qp + (b * nh + h) * hd;
-      for (int64_t d = 0; d < hd; ++d) qs[d] = tau.defined() ? static_cast<float>(qh[d]) * t : static_cast<float>(qh[d]);
+      for (int64_t d = 0; d < hd; ++d)
+        qs[d] = tau.defined() ? rounded<scalar_t>(static_cast<float>(qh[d]) * t) : static_cast<float>(qh[d]);
       const scalar_t* th = tp + (b * nh + h) * E;
       const int64_t kvh = h / group;
-      float mx = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
         const scalar_t* kj = kp + locs[j] * k0 + kvh * k1;
         float dot = 0.0f;
-        if constexpr (std::is_same_v<scalar_t, float>) {
+        if constexpr (fp32) {
           dot = fp32_dot(qs.data(), kj, hd);
         } else {
           for (int64_t d = 0; d < hd; ++d) dot += qs[d] * static_cast<float>(kj[d]);
         }
         const int64_t dist = pos - (first + j);
         float bias = dist < rel_extent ? static_cast<float>(th[dist]) : 0.0f;
-        if (tau.defined()) bias = bias * t;
-        const float s = dot * inv_hd + bias;
-        scores[j] = s;
-        mx = s > mx ? s : mx;
+        if (tau.defined()) bias = rounded<scalar_t>(bias * t);
+        sh[j] = rounded<scalar_t>(rounded<scalar_t>(rounded<scalar_t>(dot) * inv_hd) + bias);
       }
-      float total = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        scores[j] = std::exp(scores[j] - mx);
-        total += scores[j];
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* vj = vp + locs[j] * v0 + kvh * v1;
-        const float p = scores[j] / total;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          fp32_axpy(p, vj, acc.data(), hd);
-        } else {
-          for (int64_t d = 0; d < hd; ++d) acc[d] += p * static_cast<float>(vj[d]);
+    };
+    if constexpr (fp32) {
+      scores.resize(n);
+      for (int64_t h = 0; h < nh; ++h) {
+        head_scores(h, scores.data());
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
+        float total = 0.0f;
+        for (int64_t j = 0; j < n; ++j) {
+          scores[j] = std::exp(scores[j] - mx);
+          total += scores[j];
         }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        const int64_t kvh = h / group;
+        for (int64_t j = 0; j < n; ++j) {
+          const float p = scores[j] / total;
+          fp32_axpy(p, vp + locs[j] * v0 + kvh * v1, acc.data(), hd);
+        }
+        float* oh = op + (b * nh + h) * hd;
+        for (int64_t d = 0; d < hd; ++d) oh[d] = acc[d];
       }
-      scalar_t* oh = op + (b * nh + h) * hd;
-      for (int64_t d = 0; d < hd; ++d) oh[d] = static_cast<scalar_t>(acc[d]);
+    } else {
+      scores.resize(nh * n);
+      probs.resize(nh * n);
+      for (int64_t h = 0; h < nh; ++h) head_scores(h, scores.data() + h * n);
+      // ATen's own CPU softmax kernel (called directly, once per row, on the row's buffers): its
+      // vectorized exp differs from std::exp in the last fp32 bit now and then, which is enough to move
+      // a probability's bf16 rounding.
+      at::Tensor probs_out = at::from_blob(probs.data(), {nh, n}, at::kFloat);
+      at::cpu::_softmax_out(probs_out, at::from_blob(scores.data(), {nh, n}, at::kFloat), 1, false);
+      for (int64_t i = 0; i < nh * n; ++i) probs[i] = rounded<scalar_t>(probs[i]);
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* ph = probs.data() + h * n;
+        const int64_t kvh = h / group;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < n; ++j) {
+          const scalar_t* vj = vp + locs[j] * v0 + kvh * v1;
+          for (int64_t d = 0; d < hd; ++d) acc[d] += ph[j] * static_cast<float>(vj[d]);
+        }
+        scalar_t* oh = op + (b * nh + h) * hd;
+        for (int64_t d = 0; d < hd; ++d) oh[d] = static_cast<scalar_t>(acc[d]);
+      }
     }
   }
 }

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 16  # keys per inner iteration
-NEG = -1.0e30  # finite "no keys yet": exp(NEG - m) is 0, never NaN
+NEG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "no keys yet": exp(NEG - m) is 0, never NaN
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def _programs_wanted(device: torch.device) -> int:
 
 
 def _attend(q, k_cache, v_cache, table, tau, block_table, cache_indices, lens_or_pos, *, page_size: int,
-            window: int, max_keys: int, ring: bool) -> torch.Tensor:
+            window: int, max_keys: int, ring: bool, rel_extent: int) -> torch.Tensor:
     B, nh, hd = q.shape
     nkv = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -108,6 +108,7 @@ def _attend(q, k_cache, v_cache, table, tau, block_table, cache_indices, lens_or
         return out
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and table.stride(2) == 1, "inner dims must be contiguous"
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share a layout"
+    assert table.shape[2] == rel_extent, "the bias table holds one entry per distance of the relative extent"
     blocks = triton.cdiv(max_keys, BLOCK_N)
     splits = max(1, min(blocks, triton.cdiv(_programs_wanted(q.device), B * nkv)))
     keys_per_split = triton.cdiv(blocks, splits) * BLOCK_N
@@ -131,10 +132,10 @@ def paged_attention(q, k_cache, v_cache, table, tau, block_table, cache_indices,
                     rel_extent: int) -> torch.Tensor:
     """Signature and result of `attention.paged_attention_reference`; reads keys [0, seq_len) of each row."""
     return _attend(q, k_cache, v_cache, table, tau, block_table, cache_indices, seq_lens, page_size=page_size,
-                   window=0, max_keys=block_table.shape[1] * page_size, ring=False)
+                   window=0, max_keys=block_table.shape[1] * page_size, ring=False, rel_extent=rel_extent)
 
 
 def ring_attention(q, k_ring, v_ring, table, positions, cache_indices, window: int, rel_extent: int) -> torch.Tensor:
     """Signature and result of `attention.attend_ring`; reads the min(position+1, window) filled entries."""
     return _attend(q, k_ring, v_ring, table, None, cache_indices, cache_indices, positions, page_size=1,
-                   window=window, max_keys=window, ring=True)
+                   window=window, max_keys=window, ring=True, rel_extent=rel_extent)

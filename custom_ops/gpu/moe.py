@@ -1,5 +1,6 @@
 """Routed experts: align (token, choice) pairs into per-expert blocks on the device, then one grouped
-kernel per projection that reads only the chosen experts' weights.
+kernel per projection that reads only the chosen experts' weights, in whatever layout the loader keeps
+them (it stores wide-output matrices column-major).
 
 Alignment is plain torch with shapes fixed by (tokens, top-k, experts): no host sync, capturable.
 Every block holds BM pairs of one expert (the last block of an expert padded with a sentinel pair);
@@ -42,13 +43,13 @@ def align_pairs(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, P, k, H, I, sx, sw_e, sw_n, sa,
+def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, P, k, H, I, sx, sw_e, sw_n, sw_k, sa,
                     UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """act[block row, n] = silu(gate_e . x_token) * (up_e . x_token) for the block's pairs."""
     blk, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + blk)
     if e >= 0:
-        r = blk * BM + tl.arange(0, BM)
+        r = (blk * BM + tl.arange(0, BM)).to(tl.int64)  # rows of the scratch: past 2**31 elements on long prefills
         pair = tl.load(pair_ptr + r)
         live = pair < P
         token = tl.where(live, pair // k, 0)
@@ -61,8 +62,9 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, P, k, H, I, sx,
             kk = k0 + tl.arange(0, BK)
             km = kk < H
             xa = tl.load(x_ptr + token[:, None] * sx + kk[None, :], mask=live[:, None] & km[None, :], other=0.0)
-            wg = tl.load(w_e + n[None, :] * sw_n + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
-            wu = tl.load(w_e + (n[None, :] + I) * sw_n + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+            wg = tl.load(w_e + n[None, :] * sw_n + kk[:, None] * sw_k, mask=nm[None, :] & km[:, None], other=0.0)
+            wu = tl.load(w_e + (n[None, :] + I) * sw_n + kk[:, None] * sw_k, mask=nm[None, :] & km[:, None],
+                         other=0.0)
             if UPCAST:  # exact fp32 products ("ieee", not tf32)
                 xa, wg, wu = xa.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
                 gate += tl.dot(xa, wg, input_precision="ieee")
@@ -75,13 +77,13 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, P, k, H, I, sx,
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, weight_ptr, out_ptr, P, H, I, sa, sw_e, sw_n, so,
+def _down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, weight_ptr, out_ptr, P, H, I, sa, sw_e, sw_n, sw_k, so,
                  UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """out[pair, n] = weight[pair] * (down_e . act[block row]) for the block's live pairs."""
     blk, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + blk)
     if e >= 0:
-        r = blk * BM + tl.arange(0, BM)
+        r = (blk * BM + tl.arange(0, BM)).to(tl.int64)
         pair = tl.load(pair_ptr + r)
         live = pair < P
         n = nb * BN + tl.arange(0, BN)
@@ -92,7 +94,7 @@ def _down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, weight_ptr, out_ptr, P, H
             kk = k0 + tl.arange(0, BK)
             km = kk < I
             a = tl.load(act_ptr + r[:, None] * sa + kk[None, :], mask=live[:, None] & km[None, :], other=0.0)
-            w = tl.load(w_e + n[None, :] * sw_n + kk[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+            w = tl.load(w_e + n[None, :] * sw_n + kk[:, None] * sw_k, mask=nm[None, :] & km[:, None], other=0.0)
             if UPCAST:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
@@ -108,16 +110,15 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     I, P = I2 // 2, T * k
     if P == 0:
         return torch.zeros_like(x)
-    assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1, "rows must be contiguous"
+    assert x.stride(1) == 1, "tokens must be contiguous rows"
     pair_of, block_expert = align_pairs(expert_ids, E)
     blocks = block_expert.shape[0]
     upcast = _INTERPRETED or x.dtype == torch.float32
     act = torch.empty(blocks * BM, I, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(I, BN))](
-        x, gate_up, pair_of, block_expert, act, P, k, H, I, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)
+        x, gate_up, pair_of, block_expert, act, P, k, H, I, x.stride(0), *gate_up.stride(), act.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)
     per_pair = torch.empty(P, H, dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(H, BN))](
-        act, down, pair_of, block_expert, weights.reshape(-1), per_pair, P, H, I, act.stride(0), down.stride(0),
-        down.stride(1), per_pair.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)
+        act, down, pair_of, block_expert, weights.reshape(-1), per_pair, P, H, I, act.stride(0), *down.stride(),
+        per_pair.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)
     return per_pair.view(T, k, H).sum(dim=1).to(x.dtype)

@@ -2,7 +2,7 @@
 
 A float32's bits, with the magnitude bits flipped for negatives, order like the floats do, so the
 k-th largest value of a row is the largest 32-bit key t with count(key >= t) >= k: 32 counting passes
-find it exactly. Top-p is the same over the top-k's probability mass: the smallest key v (at or above
+find it exactly (-0.0 counts as +0.0, as it compares equal). Top-p is the same over the top-k's probability mass: the smallest key v (at or above
 the top-k cut) whose strictly larger values hold less than top_p of the mass. Ties behave as in the
 sorting reference (`sampling.filter_rows`): the top-k mass counts exactly k values, and every value
 equal to the final cut is kept. One program per row; a row that filters nothing is copied.
@@ -17,6 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def _key(x):
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 and +0.0 are one value to the reference
     bits = x.to(tl.int32, bitcast=True)
     return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
 
@@ -59,7 +60,7 @@ def _filter_kernel(x_ptr, k_ptr, p_ptr, out_ptr, V, sx, so, BLOCK: tl.constexpr)
             lo = tl.full([], -2147483648, tl.int64)
             hi = tl.full([], 2147483647, tl.int64)
             for _ in range(32):
-                mid = (lo + hi + 1) // 2
+                mid = lo + (hi - lo + 1) // 2  # floor: // truncates toward zero on negatives
                 enough = _count_at_or_above(row, V, mid, BLOCK) >= k
                 lo = tl.where(enough, mid, lo)
                 hi = tl.where(enough, hi, mid - 1)
@@ -81,7 +82,7 @@ def _filter_kernel(x_ptr, k_ptr, p_ptr, out_ptr, V, sx, so, BLOCK: tl.constexpr)
             lo = tl.maximum(cut, tl.full([], -2147483648, tl.int64))
             hi = _key(m)
             for _ in range(33):
-                mid = (lo + hi) // 2
+                mid = lo + (hi - lo) // 2
                 small = _mass_above(row, V, mid, m, BLOCK) < p * total
                 hi = tl.where(small & (lo < hi), mid, hi)
                 lo = tl.where(small | (lo >= hi), lo, mid + 1)

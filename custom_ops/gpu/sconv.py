@@ -13,6 +13,11 @@ import triton.language as tl
 BLOCK_D = 128
 
 
+def _check_channels(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> None:
+    """The kernels step channels by 1 (rows and slots by their strides) and a weight's taps by 1."""
+    assert x.stride(-1) == 1 and state.stride(-1) == 1 and weight.stride(1) == 1, "channels must be contiguous"
+
+
 @triton.jit
 def _decode_kernel(x_ptr, state_ptr, w_ptr, idx_ptr, y_ptr, D, sx, ss_slot, ss_tap, sw, sy,
                    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
@@ -31,6 +36,7 @@ def _decode_kernel(x_ptr, state_ptr, w_ptr, idx_ptr, y_ptr, D, sx, ss_slot, ss_t
     later = tl.load(state_ptr + slot * ss_slot + (j + 1) * ss_tap + d[None, :], mask=(j < K - 2) & dm[None, :],
                     other=0.0)
     shifted = tl.where(j == K - 2, x[None, :], later)
+    tl.debug_barrier()  # every thread's reads of the window land before any thread's writes
     tl.store(state_ptr + slot * ss_slot + j * ss_tap + d[None, :], shifted, mask=tap)
     tl.store(y_ptr + row * sy + d, y.to(y_ptr.dtype.element_ty), mask=dm)
 
@@ -42,6 +48,7 @@ def sconv_decode(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cac
     y = torch.empty_like(x)
     if B == 0:
         return y
+    _check_channels(x, state, weight)
     _decode_kernel[(B, triton.cdiv(D, BLOCK_D))](
         x, state, weight, cache_indices, y, D, x.stride(0), state.stride(0), state.stride(1), weight.stride(0),
         y.stride(0), K=K, KP=triton.next_power_of_2(K), BLOCK=BLOCK_D)
@@ -94,6 +101,7 @@ def _extend_window_kernel(x_ptr, state_ptr, qsl_ptr, init_ptr, idx_ptr, D, sx, s
     hist_pos = (K - 1) - (start - src)
     from_state = tl.load(state_ptr + slot * ss_slot + hist_pos * ss_tap + d[None, :],
                          mask=tap & (src < start) & has_history, other=0.0)
+    tl.debug_barrier()  # as in _decode_kernel: reads of the old window first
     tl.store(state_ptr + slot * ss_slot + j * ss_tap + d[None, :], tl.where(inside, from_x, from_state), mask=tap)
 
 
@@ -104,6 +112,7 @@ def sconv_extend(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, que
     y = torch.empty_like(x)
     if B == 0:
         return y
+    _check_channels(x, state, weight)
     blocks = triton.cdiv(D, BLOCK_D)
     if T:
         _extend_kernel[(T, blocks)](x, state, weight, query_start_loc, has_initial_state, cache_indices, y, B, D,

@@ -1,0 +1,118 @@
+"""Compiles every Triton kernel, as the launchers call it, for a GPU this machine need not have.
+
+    python tools/aot_triton.py [--arch 90]        (90: Hopper, the H100/H200; 80: Ampere)
+
+The interpreter that runs the kernels in CI executes Python, not Triton's compiler: a kernel can pass
+every interpreted test and still not compile (a non-constexpr global, a dtype tl.dot refuses, a
+construct the code generator rejects). This runs each launcher of `custom_ops/gpu` on small CPU
+tensors with its kernels replaced by a recorder, then compiles each distinct launch (argument types,
+constexprs) ahead of time for the target with the installed triton and its bundled ptxas, in a fresh
+cache. One line per kernel variant; exit status 1 if any fails. Run without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
+           torch.int64: "*i64", torch.bool: "*i1"}
+MODULES = ("sconv", "kv", "attention", "moe", "sampling")
+
+
+class Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **constexprs)` records the launch."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            types = {}
+            for name, value in zip([n for n in self.kernel.arg_names if n not in constexprs], args):
+                if isinstance(value, torch.Tensor):
+                    types[name] = POINTER[value.dtype]
+                elif isinstance(value, float):
+                    types[name] = "fp32"
+                else:
+                    types[name] = "i32" if -2**31 <= int(value) < 2**31 else "i64"
+            self.launches.append((self.kernel, types, constexprs))
+        return launch
+
+
+def sample_launches() -> list:
+    """Every launcher on small inputs, fp32 and bf16 where the model's dtype reaches it."""
+    import triton
+
+    launches: list = []
+    gpu = {name: importlib.import_module(f"inkling_compiled.custom_ops.gpu.{name}") for name in MODULES}
+    for module in gpu.values():
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, triton.runtime.jit.JITFunction) and "_kernel" in attr:
+                setattr(module, attr, Recorder(value, launches))
+    i32 = dict(dtype=torch.int32)
+    for K in (2, 3, 4):
+        state, w = torch.zeros(4, K - 1, 40), torch.zeros(40, K)
+        gpu["sconv"].sconv_decode(torch.zeros(3, 40), state, w, torch.zeros(3, **i32))
+        gpu["sconv"].sconv_extend(torch.zeros(5, 40), state, w, torch.tensor([0, 2, 5], **i32),
+                                  torch.tensor([True, False]), torch.zeros(2, **i32))
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.zeros(64, 2, 16, dtype=dtype)
+        gpu["kv"].kv_write(cache, cache.clone(), torch.zeros(3, 2, 16, dtype=dtype), torch.zeros(3, 2, 16, dtype=dtype),
+                           torch.zeros(3, dtype=torch.int64))
+        for nh, nkv, hd in ((8, 1, 64), (32, 8, 128), (6, 2, 80)):
+            q, table = torch.zeros(2, nh, hd, dtype=dtype), torch.zeros(2, nh, 16, dtype=dtype)
+            kc = torch.zeros(64, nkv, hd, dtype=dtype)
+            for tau in (None, torch.ones(2)):
+                gpu["attention"].paged_attention(q, kc, kc.clone(), table, tau, torch.zeros(3, 4, **i32),
+                                                 torch.zeros(2, **i32), torch.ones(2, **i32), 16, 16)
+            gpu["attention"].ring_attention(q, kc, kc.clone(), table, torch.zeros(2, dtype=torch.int64),
+                                            torch.zeros(2, **i32), 8, 16)
+        x = torch.zeros(3, 48, dtype=dtype)
+        gate_up = torch.zeros(4, 80, 48, dtype=dtype)
+        gpu["moe"].moe_experts(x, torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.ones(3, 2, dtype=dtype), gate_up,
+                               torch.zeros(4, 48, 40, dtype=dtype))
+    gpu["sampling"].top_k_top_p(torch.zeros(2, 3000), torch.tensor([0, 5]), torch.tensor([1.0, 0.5]))
+    return launches
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, default=90)
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run without TRITON_INTERPRET: the interpreter replaces the compiler")
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="inkling-aot-")  # compile, never load
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    seen, failed = set(), 0
+    for kernel, types, constexprs in sample_launches():
+        key = (kernel.fn.__name__, tuple(sorted(types.items())), tuple(sorted(constexprs.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
+        label = f"{kernel.fn.__name__} {' '.join(f'{k}={v}' for k, v in sorted(constexprs.items()))} " \
+                f"{sorted(set(t for t in types.values() if t.startswith('*')))}"
+        t0 = time.perf_counter()
+        try:
+            triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", args.arch, 32))
+            print(f"ok   sm_{args.arch} {label} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        except Exception as e:  # report every variant, then fail
+            failed += 1
+            print(f"FAIL sm_{args.arch} {label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}",
+                  flush=True)
+    print(f"{len(seen)} kernel variants, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
