@@ -25,4 +25,5 @@ class StepBackend:
         self.context = PoolContext(pool, config, self.metadata)
         self.prepare_decode = self.buffers.prepare_decode
         self.prepare_prefill = self.buffers.prepare_prefill
+        self.prepare_extend = self.buffers.prepare_extend
         self.prepare_padding = self.buffers.prepare_padding

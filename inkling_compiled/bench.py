@@ -81,7 +81,7 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
                     continue
                 ours[kind] = Engine.from_pretrained(path, compile=(kind == "compiled"), max_batch_size=max(batches),
                                                     max_model_len=prompt_len + new_tokens + 1,
-                                                    max_prefill_tokens=max(batches) * prompt_len, progress=False)
+                                                    prefill_chunk_tokens=max(batches) * prompt_len, progress=False)
                 if kind == "compiled":
                     results.setdefault("compile_s", {})[name] = ours[kind].decoder.compile_seconds
             hf = None

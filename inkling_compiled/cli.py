@@ -54,7 +54,8 @@ def _engine_args(args):
     buckets = tuple(args.buckets) if args.buckets else (args.max_batch_size,) if getattr(args, "one_bucket", False) \
         else None
     return dict(device=args.device, dtype=args.dtype, compile=args.compile, max_batch_size=args.max_batch_size,
-                buckets=buckets, compile_backend=args.compile_backend)
+                buckets=buckets, compile_backend=args.compile_backend,
+                prefill_chunk_tokens=args.prefill_chunk_tokens)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -239,6 +240,8 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
     p.add_argument("--buckets", type=positive_int, nargs="+", default=buckets,
                    help="batch sizes to compile a graph for (default: powers of two up to --max-batch-size)")
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens to generate per prompt")
+    p.add_argument("--prefill-chunk-tokens", type=positive_int, default=256,
+                   help="prompt tokens prefilled per step, all requests together (longer prompts take several)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
 
 

@@ -19,9 +19,10 @@ import itertools
 import torch
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
-from .attention import attend_from_scratch
+from .attention import attend, attend_from_scratch
 from .cache import StatePool
 from .config import InklingConfig, LayerGeometry
+from .kv_layout import page_location, ring_location
 from .custom_ops.reference import packed_causal_conv
 from .metadata import StepMetadata
 from .nvtx import nvtx_range
@@ -55,6 +56,9 @@ class PoolContext:
 
     def __init__(self, pool: StatePool, config: InklingConfig, metadata: StepMetadata):
         self.pool, self.config, self.metadata = pool, config, metadata
+        # Set for an eager prefill step by whoever schedules it: (row, boundary position, checkpoint index)
+        # of each prefix-cache checkpoint to take, the row's state as it stands at that position.
+        self.checkpoints: list[tuple[int, int, int]] = []
         self._conv_range_names = [[f"layer {i} sconv {s}" for s in STREAM_NAMES] for i in range(config.num_hidden_layers)]
 
     # ---- pool reads: one slice each, resolved per call ---------------------------------------------
@@ -89,16 +93,32 @@ class PoolContext:
         with nvtx_range(self._conv_range_names[layer_id][stream]):  # eager steps; kernels label replays
             if md.is_decode:
                 return torch.ops.inkling.sconv_decode(x32, state, weight, md.cache_indices, layer_id, stream)
-            return torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
-                                                  md.cache_indices, layer_id, stream)
+            before = state.index_select(0, md.cache_indices.long()) if self.checkpoints else None
+            y = torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
+                                               md.cache_indices, layer_id, stream)
+            if self.checkpoints:
+                self.checkpoint_conv(x32, before, layer_id, stream)
+            return y
+
+    def checkpoint_conv(self, x32: torch.Tensor, before: torch.Tensor, layer_id: int, stream: int) -> None:
+        """Eager prefill only: each checkpoint's conv window of this (layer, stream), the K-1 inputs
+        before its boundary, out of the row's window before the step (`before`) and its chunk."""
+        md, K = self.metadata, self.config.conv_kernel_size
+        qsl = md.query_start_loc.tolist()
+        name, index = self.pool.layer_index(layer_id, stream)
+        for row, boundary, checkpoint in self.checkpoints:
+            start, end = qsl[row], qsl[row + 1]
+            first = int(md.positions[start])
+            inputs = torch.cat([before[row], x32[start:end]])  # positions first-K+1 .. end-1
+            self.pool.conv_checkpoints[name][index, checkpoint] = inputs[boundary - first:boundary - first + K - 1]
 
     def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
         md = self.metadata
         k_cache, v_cache = self.kv_cache(layer_id)
-        torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
         table = r @ rel_proj
         if not md.is_decode:
-            return self.prefill_attention(g, q, k, v, table)
+            return self.prefill_attention(layer_id, g, q, k, v, table, k_cache, v_cache)
+        torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
         if g.sliding:
             return torch.ops.inkling.ring_attention(q, k_cache, v_cache, table, md.positions, md.cache_indices, g.window,
                                                     g.rel_extent)
@@ -106,9 +126,55 @@ class PoolContext:
         return torch.ops.inkling.paged_attention(q, k_cache, v_cache, table, tau, self.pool.block_table,
                                                  md.cache_indices, md.seq_lens, self.pool.page_size, g.rel_extent)
 
-    def prefill_attention(self, g: LayerGeometry, q, k, v, table) -> torch.Tensor:
-        """Eager prefill only (never traced: the host-sync scan knows it as such): the packed spans are
-        read on the host."""
+    def prefill_attention(self, layer_id: int, g: LayerGeometry, q, k, v, table, k_cache, v_cache) -> torch.Tensor:
+        """Eager prefill only (never traced: the host-sync scan knows it as such). Each row is a chunk of
+        its prompt: it attends to the keys cached before it (every earlier position on a global layer,
+        the last W-1 on a sliding one) and causally to its own. The cached keys are read before this
+        chunk's are written: a sliding layer's ring may overwrite them. Memory per row is chunk x
+        (history + chunk), never the whole prompt squared."""
         md = self.metadata
         qsl = md.query_start_loc.tolist()
-        return attend_from_scratch(self.config, g, q, k, v, table, md.positions, list(zip(qsl[:-1], qsl[1:])))
+        spans = list(zip(qsl[:-1], qsl[1:]))
+        firsts = md.positions[qsl[:-1]].tolist() if spans else []
+        slots = md.cache_indices.tolist()
+        history = [self._cached_keys(g, k_cache, v_cache, slot, first) for slot, first in zip(slots, firsts)]
+        torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
+        outs = []
+        for row, ((start, end), (hk, hv, hpos)) in enumerate(zip(spans, history)):
+            pos = md.positions[start:end]
+            keys, values = torch.cat([hk, k[start:end]]), torch.cat([hv, v[start:end]])
+            k_pos = torch.cat([hpos, pos])
+            if g.sliding:
+                self._checkpoint_ring(layer_id, row, keys, values, firsts[row] - len(hpos))
+            tau = self.config.log_scale(pos)[None] if g.log_scaling else None
+            mask = torch.ones(1, end - start, len(k_pos), dtype=torch.bool, device=q.device)
+            outs.append(attend(q[None, start:end], keys[None], values[None], table[None, start:end], q_pos=pos[None],
+                               k_pos=k_pos[None], key_mask=mask, tau=tau, window=g.window or 0,
+                               rel_extent=g.rel_extent)[0])
+        return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+    def _checkpoint_ring(self, layer_id: int, row: int, keys, values, first_key: int) -> None:
+        """This row's checkpoints of a sliding layer's ring: entry p % W holds position p, for the W
+        positions before the boundary (zero where p < 0, as in a fresh ring). `keys`/`values` hold the
+        consecutive positions from `first_key`, which reach back far enough for any boundary in the chunk."""
+        W = self.config.sliding_window_size
+        _, index = self.pool.streams.kv_locate(layer_id)
+        for ring, source in zip(self.pool.ring_checkpoints, (keys, values)):
+            for r, boundary, checkpoint in self.checkpoints:
+                if r != row:
+                    continue
+                saved = ring[index, checkpoint * W:(checkpoint + 1) * W]
+                saved.zero_()
+                p = torch.arange(max(0, boundary - W), boundary, device=saved.device)
+                saved[p % W] = source[p - first_key]
+
+    def _cached_keys(self, g: LayerGeometry, k_cache, v_cache, slot: int, first: int):
+        """(keys, values, positions) a chunk starting at position `first` reads from the cache."""
+        device = k_cache.device
+        if g.sliding:  # the ring holds the last W positions; a query at `first` sees W-1 of them
+            pos = torch.arange(max(0, first - g.window + 1), first, device=device)
+            loc = ring_location(slot, pos, g.window)
+        else:
+            pos = torch.arange(first, device=device)
+            loc = page_location(self.pool.block_table, slot, pos, self.pool.page_size).long()
+        return k_cache[loc], v_cache[loc], pos

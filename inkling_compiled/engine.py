@@ -1,9 +1,11 @@
 """The serving engine: requests in, tokens out, continuous batching over the state pool.
 
-Each `step()` decodes every running request as one batched forward, then admits waiting requests
-that fit (a free slot and the pages for their whole budget) and prefills them together as one packed
-varlen forward. Requests finish (eos, stop token, length) or are aborted at any step; their slot and
-pages go back to the pool at once.
+Each `step()` decodes every running request as one batched forward, then prefills up to
+`prefill_chunk_tokens` prompt tokens as one packed varlen forward: first the next chunks of prompts
+already being prefilled, then the first chunks of waiting requests that fit (a free slot and the pages
+for their whole budget). A request whose prompt is complete takes its first token from that forward
+and decodes from the next step on. Requests finish (eos, stop token, length) or are aborted at any
+step; their slot and pages go back to the pool at once.
 
 Failure is contained: if anything raises inside a step's forward, the requests of that forward are
 finished with `finish_reason="error"` (their state may be half-written) and freed, and the engine
@@ -55,7 +57,7 @@ def _request_id(request_id) -> str:
 class Engine:
     def __init__(self, model: InklingForCausalLM, *, tokenizer: TextTokenizer | None = None, device="cpu",
                  compile: bool = True, max_batch_size: int = 32, max_model_len: int = 2048,
-                 max_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None,
+                 prefill_chunk_tokens: int = 256, page_size: int = 16, num_pages: int | None = None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, compile_backend: str = "inductor",
                  compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
                  cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
@@ -71,8 +73,9 @@ class Engine:
         self.max_batch_size = option_int("max_batch_size", max_batch_size)
         self.max_model_len = option_int("max_model_len", max_model_len, 2)
         page_size = option_int("page_size", page_size)
-        self.max_prefill_tokens = max_model_len if max_prefill_tokens is None else \
-            option_int("max_prefill_tokens", max_prefill_tokens)
+        # Prompt tokens one step prefills (all requests together): a long prompt takes several steps,
+        # and no step's prefill is longer than this, so decoding requests keep their pace.
+        self.prefill_chunk_tokens = option_int("prefill_chunk_tokens", prefill_chunk_tokens)
         option_int("seed", seed, 0)
         buckets = choose_buckets(max_batch_size, buckets)  # checked whether or not they are compiled
         pages_per_seq = pages_for(max_model_len, page_size)
@@ -87,7 +90,7 @@ class Engine:
                               max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device,
                               layer_transfer=layer_transfer)
         self.backend = StepBackend(self.pool, config, max_batch_size=max_batch_size,
-                                   max_tokens=self.max_prefill_tokens, device=self.device)
+                                   max_tokens=self.prefill_chunk_tokens, device=self.device)
         self.decoder = None
         if compile:
             self.decoder = CompiledDecoder(DecodeStep(model, self.backend), self.backend.prepare_padding,
@@ -107,7 +110,8 @@ class Engine:
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.prefilling: list[Request] = []  # admitted (slot and pages held), prompt partly in the pool
+        self.running: list[Request] = []  # prompt in the pool: decoding
         self._finished: list[Request] = []  # finished outside a forward (aborted, interrupted): output pending
         self._known: set[str] = set()  # ids of requests whose final output has not been returned yet
         self._owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> the generate() call awaiting it
@@ -169,8 +173,6 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt of {len(ids)} tokens is too long: max_model_len={self.max_model_len} "
                                "leaves no room to generate")
-        if len(ids) > self.max_prefill_tokens:
-            raise RequestError(f"prompt of {len(ids)} tokens exceeds max_prefill_tokens={self.max_prefill_tokens}")
         budget = min(len(ids) + params.max_new_tokens, self.max_model_len)
         if self.pool.pages_needed(budget) > self.pool.pages.capacity:
             raise RequestError(f"the request needs {self.pool.pages_needed(budget)} KV pages but the pool has "
@@ -199,7 +201,7 @@ class Engine:
             if req is not None:
                 self.waiting.remove(req)
             else:
-                req = next((r for r in self.running if r.request_id == rid), None)
+                req = next((r for r in self.running + self.prefilling if r.request_id == rid), None)
                 if req is None:
                     raise RequestError(f"no unfinished request with id {rid!r}")
                 self._release(req)
@@ -221,7 +223,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            return bool(self.waiting or self.running or self._finished or self._undelivered)
+            return bool(self.waiting or self.prefilling or self.running or self._finished or self._undelivered)
 
     # ---- stepping ---------------------------------------------------------------------------------
 
@@ -254,59 +256,84 @@ class Engine:
     def _advance(self) -> list[RequestOutput]:
         stepped: list[Request] = []
 
-        def run(batch: list[Request], forward) -> None:
-            stepped.extend(batch)
-            self._run_contained(batch, forward)
+        def run(batch: list[Request], forward, sampled: list[Request]) -> None:
+            stepped.extend(sampled)
+            self._run_contained(batch, forward, sampled)
             for req in batch:  # finished: slot and pages go back before anything else runs
-                if req.finish_reason is not None and req in self.running:
+                if req.finish_reason is not None and self._holds(req):
                     self._release(req)
 
         try:
             if self.running:
-                run(list(self.running), self.runner.decode)
-            admitted = self._admit()  # after the decode, so the slots it freed are reused at once
-            if admitted:
-                run(admitted, self.runner.prefill)
+                batch = list(self.running)
+                run(batch, self.runner.decode, batch)
+            chunks = self._schedule_prefill()  # after the decode, so the slots it freed are reused at once
+            if chunks:
+                batch, lengths = [r for r, _ in chunks], [n for _, n in chunks]
+                complete = [r for r, n in chunks if r.prefilled + n == len(r.prompt)]
+                run(batch, lambda reqs: self.runner.prefill(reqs, lengths), complete)
+                for req, n in chunks:
+                    if req.finish_reason is None:
+                        req.prefilled += n
+                        if req in complete:  # its first token is out: it decodes from the next step
+                            self.prefilling.remove(req)
+                            self.running.append(req)
         except BaseException:  # an interrupt: what finished in this step is delivered with the next one
             self._finished += [r for r in stepped if r.finish_reason is not None]
             raise
         advanced, self._finished = self._finished + stepped, []
         return [self._output(r) for r in advanced]
 
-    def _run_contained(self, reqs: list[Request], forward: Callable[[list[Request]], StepOutput]) -> None:
-        """One forward for `reqs` and its tokens recorded; if anything raises, those requests fail (their
-        pool state may be half-written) and are freed, and the engine carries on. An interrupt
-        (KeyboardInterrupt, SystemExit) fails them the same way, then propagates."""
+    def _run_contained(self, reqs: list[Request], forward: Callable[[list[Request]], StepOutput],
+                       sampled: list[Request]) -> None:
+        """One forward for `reqs`, and the tokens of the `sampled` ones recorded (a prefill chunk that does
+        not end its prompt samples nothing); if anything raises, those requests fail (their pool state
+        may be half-written) and are freed, and the engine carries on. An interrupt (KeyboardInterrupt,
+        SystemExit) fails them the same way, then propagates."""
         try:
             with self.torch_state.pinned():
                 out = forward(reqs)
-            self._record(reqs, out)
+            self._record(reqs, out, sampled)
         except BaseException as e:
             if isinstance(e, Exception):
                 log.exception("a step failed; failing its %d request(s)", len(reqs))
             for req in reqs:
                 req.fail(f"{type(e).__name__}: {e}")
-                if req in self.running:
+                if self._holds(req):
                     self._release(req)
             if not isinstance(e, Exception):
                 raise
 
-    def _admit(self) -> list[Request]:
-        admitted, tokens = [], 0
-        while self.waiting and len(self.running) < self.max_batch_size:
+    def _schedule_prefill(self) -> list[tuple[Request, int]]:
+        """(request, prompt tokens to prefill now) within the step's budget, first come first served:
+        prompts already being prefilled continue, then waiting requests are admitted while a slot and
+        the pages for their whole budget are free."""
+        chunks, budget = [], self.prefill_chunk_tokens
+        for req in self.prefilling:
+            if budget == 0:
+                break
+            n = min(len(req.prompt) - req.prefilled, budget)
+            chunks.append((req, n))
+            budget -= n
+        while budget and self.waiting and len(self.running) + len(self.prefilling) < self.max_batch_size:
             req = self.waiting[0]
-            if tokens + len(req.prompt) > self.max_prefill_tokens or not self.pool.can_admit(req.budget):
+            if not self.pool.can_admit(req.budget):
                 break  # first come, first served: later requests wait behind it
             self.waiting.popleft()
             self.pool.allocate(req.request_id, req.budget)
-            self.running.append(req)
-            admitted.append(req)
-            tokens += len(req.prompt)
-        return admitted
+            self.prefilling.append(req)
+            n = min(len(req.prompt), budget)
+            chunks.append((req, n))
+            budget -= n
+        return chunks
 
-    def _record(self, reqs: list[Request], out: StepOutput) -> None:
-        tokens, chosen, top_ids, top_vals = out.to_host(max(r.params.top_logprobs for r in reqs))
+    def _record(self, reqs: list[Request], out: StepOutput, sampled: list[Request]) -> None:
+        if not sampled:
+            return
+        tokens, chosen, top_ids, top_vals = out.to_host(max(r.params.top_logprobs for r in sampled))
         for i, req in enumerate(reqs):
+            if req not in sampled:
+                continue
             tok = tokens[i]
             req.output.append(tok)
             if req.params.logprobs:
@@ -319,8 +346,12 @@ class Engine:
             elif len(req.output) >= req.params.max_new_tokens or len(req.prompt) + len(req.output) >= req.budget:
                 req.finish_reason = "length"
 
+    def _holds(self, req: Request) -> bool:
+        """Whether the request holds a slot (it is prefilling or decoding)."""
+        return req in self.running or req in self.prefilling
+
     def _release(self, req: Request) -> None:
-        self.running.remove(req)
+        (self.running if req in self.running else self.prefilling).remove(req)
         self.pool.free(req.request_id)
 
     def _output(self, req: Request) -> RequestOutput:

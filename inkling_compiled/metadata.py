@@ -250,23 +250,33 @@ class StepBuffers:
 
     def prepare_prefill(self, prompts: list[list[int]], slots: list[int], sampling: list[RowSampling]) -> StepMetadata:
         """Packed prompts that start from an empty state (positions 0..n-1 of each)."""
+        return self.prepare_extend(prompts, [0] * len(prompts), slots, sampling)
+
+    def prepare_extend(self, chunks: list[list[int]], starts: list[int], slots: list[int],
+                       sampling: list[RowSampling]) -> StepMetadata:
+        """Packed chunks of prompts, each continuing its slot's state: chunk i holds the tokens at
+        positions starts[i].. of its request, whose first starts[i] tokens are in the pool already (their
+        conv windows in the slot, their keys in the caches)."""
         rows = len(slots)
-        lens = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=rows)
+        lens = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=rows)
+        first = np.asarray(starts, dtype=np.int64)
         tokens = int(lens.sum())
         self._check_bounds(rows, tokens)
         h = self._host(False)
-        starts = np.cumsum(lens) - lens
+        packed_start = np.cumsum(lens) - lens
         row_of = np.repeat(self._arange[:rows], lens)
-        pos = self._arange[:tokens] - starts[row_of]
-        h["input_ids"][:tokens] = [t for p in prompts for t in p]
+        pos = self._arange[:tokens] - packed_start[row_of] + first[row_of]
+        seq_lens = first + lens
+        h["input_ids"][:tokens] = [t for c in chunks for t in c]
         h["cache_indices"][:rows] = slots
-        h["query_start_loc"][:rows] = starts
+        h["query_start_loc"][:rows] = packed_start
         h["query_start_loc"][rows] = tokens
-        h["has_initial_state"][:rows] = False
-        h["seq_lens"][:rows] = lens
-        h["last_token_index"][:rows] = starts + lens - 1
+        h["has_initial_state"][:rows] = first > 0
+        h["seq_lens"][:rows] = seq_lens
+        h["last_token_index"][:rows] = packed_start + lens - 1
         h["positions"][:tokens] = pos
+        # A sliding layer's ring keeps each sequence's last W positions once the chunk is written.
         self._fill_kv_locations(tokens, np.asarray(slots, dtype=np.int64)[row_of], pos,
-                                ring_kept=pos >= lens[row_of] - self.window)
+                                ring_kept=pos >= seq_lens[row_of] - self.window)
         self._fill_sampling(sampling, rows)
         return self._publish(False, rows, tokens)

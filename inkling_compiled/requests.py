@@ -35,7 +35,7 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # a request is itself: compared by identity
 class Request:
     request_id: str
     prompt: list[int]
@@ -44,6 +44,7 @@ class Request:
     seed_key: int = dataclasses.field(init=False)  # what the step hashes with, mixed from all 64 bits
     stop_ids: frozenset[int]
     budget: int  # prompt + tokens it may generate, capped at max_model_len
+    prefilled: int = 0  # prompt tokens whose state is in the pool (chunked prefill)
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)

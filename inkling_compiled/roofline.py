@@ -87,7 +87,7 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
         path = build_tiny_checkpoint(Path(tmp) / config_name, config_name)
         prompt_len = max(1, context - new_tokens)
         engine = Engine.from_pretrained(path, max_batch_size=max(batches), progress=False,
-                                        max_prefill_tokens=max(batches) * prompt_len)
+                                        prefill_chunk_tokens=max(batches) * prompt_len)
         for batch in batches:
             cost = step_cost(engine.model, engine.pool, batch, prompt_len + new_tokens // 2)  # mean context
             floor_s = max(cost["bytes"] / bandwidth, cost["flops"] / matmul)

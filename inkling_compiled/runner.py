@@ -79,12 +79,15 @@ class EagerRunner:
         self.model, self.backend = model, backend
 
     @torch.inference_mode()
-    def prefill(self, reqs) -> StepOutput:
+    def prefill(self, reqs, lengths: list[int]) -> StepOutput:
+        """The next `lengths[i]` prompt tokens of each request, continuing what is prefilled already; a
+        row's sampled token means something only where its chunk ends the prompt."""
         with nvtx_range("prepare prefill"):
-            self.backend.prepare_prefill([r.prompt for r in reqs],
-                                         [self.backend.pool.slot_of[r.request_id] for r in reqs],
-                                         [r.sampling_row() for r in reqs])
-        with nvtx_range(f"prefill {len(reqs)} rows"):
+            self.backend.prepare_extend([r.prompt[r.prefilled:r.prefilled + n] for r, n in zip(reqs, lengths)],
+                                        [r.prefilled for r in reqs],
+                                        [self.backend.pool.slot_of[r.request_id] for r in reqs],
+                                        [r.sampling_row() for r in reqs])
+        with nvtx_range(f"prefill {len(reqs)} rows, {sum(lengths)} tokens"):
             return StepOutput(*forward_step(self.model, self.backend))
 
     def _prepare_decode(self, reqs, pad_to: int | None = None) -> None:

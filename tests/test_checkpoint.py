@@ -182,7 +182,7 @@ def test_a_corrupt_tokenizer_is_named(checkpoint, tmp_path):
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(num_pages=0), "num_pages must be an integer >= 2, got 0"),
     (dict(num_pages=1), "num_pages must be an integer >= 2, got 1"),
-    (dict(max_prefill_tokens=0), "max_prefill_tokens must be an integer >= 1, got 0"),
+    (dict(prefill_chunk_tokens=0), "prefill_chunk_tokens must be an integer >= 1, got 0"),
     (dict(max_batch_size=0), "max_batch_size must be an integer >= 1, got 0"),
     (dict(page_size=0), "page_size must be an integer >= 1"),
     (dict(dtype="garbage"), "unsupported dtype 'garbage'"),

@@ -318,13 +318,13 @@ def test_every_bit_of_the_seed_counts(checkpoint):
     assert tokens(2**64 - 1) == runs[3]  # and the same seed is the same tokens
 
 
-def test_kv_page_budget_and_prefill_bound_are_refused_with_their_names(checkpoint):
-    engine = engine_for(checkpoint, "tiny", max_model_len=64, page_size=4, num_pages=5, max_prefill_tokens=10)
+def test_kv_page_budget_is_refused_with_its_name(checkpoint):
+    engine = engine_for(checkpoint, "tiny", max_model_len=64, page_size=4, num_pages=5, prefill_chunk_tokens=3)
     with pytest.raises(RequestError, match="needs 5 KV pages but the pool has 4"):
         engine.add_request([5] * 8, SamplingParams(max_new_tokens=9))  # 17 tokens: 5 pages
-    with pytest.raises(RequestError, match="exceeds max_prefill_tokens=10"):
-        engine.add_request([5] * 11, SamplingParams(max_new_tokens=2))
     rid = engine.add_request([5] * 8, SamplingParams(max_new_tokens=8, ignore_eos=True))  # 16 tokens: 4 pages
+    outs = []
     while engine.has_unfinished():
-        (out,) = engine.step()
+        outs += engine.step()  # the 8-token prompt is prefilled 3 + 3 + 2: two steps without a token
+    out = outs[-1]
     assert out.request_id == rid and len(out.token_ids) == 8 and out.finish_reason == "length"

@@ -156,7 +156,7 @@ def test_every_conv_of_a_step_reads_the_one_metadata_object_and_its_own_pool_sli
 
 
 def test_buffers_never_grow(checkpoint):
-    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, max_prefill_tokens=8)
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, prefill_chunk_tokens=8)
     with pytest.raises(ValueError, match="max_batch_size=2"):
         engine.backend.prepare_decode([1, 2, 3], [1, 2, 3], [0, 0, 0], [GREEDY_PAD] * 3)
     with pytest.raises(ValueError, match="max_tokens=8"):

@@ -40,7 +40,8 @@ TRACED = {
     "custom_ops/gpu": {"*"},
     "custom_ops/library.py": {"gpu_kernel"},
 }
-EAGER = {"InklingForCausalLM.forward_sequences", "PoolContext.prefill_attention"}
+EAGER = {"InklingForCausalLM.forward_sequences", "PoolContext.prefill_attention", "PoolContext.checkpoint_conv",
+         "PoolContext._checkpoint_ring", "PoolContext._cached_keys"}
 
 
 def _called(node: ast.Call) -> str | None:

@@ -28,7 +28,7 @@ LayerTransferCounter = barrier.LayerTransferCounter
 class StatePool:
     def __init__(self, config: InklingConfig, *, max_slots: int, num_pages: int, page_size: int,
                  max_pages_per_seq: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 spec_draft_tokens: int = 0, layer_transfer: bool = False):
+                 spec_draft_tokens: int = 0, layer_transfer: bool = False, checkpoints: int = 0):
         self.config = config
         self.max_slots, self.page_size, self.num_pages = max_slots, page_size, num_pages
         self.max_pages_per_seq = max_pages_per_seq
@@ -50,6 +50,14 @@ class StatePool:
                           for _ in range(2)] if self.global_layers else []
         self.sliding_kv = [torch.zeros(len(self.sliding_layers), (S + 1) * W, *s_kv, dtype=dtype, device=device)
                            for _ in range(2)] if self.sliding_layers else []
+        # Prefix-cache checkpoints: a slot's whole per-request state at a page boundary (every conv
+        # window, every sliding ring), kept so that a request starting with that prefix resumes from it.
+        # Index 0 is unused (the allocator hands out 1..checkpoints).
+        C = checkpoints
+        self.conv_checkpoints = {name: torch.zeros(t.shape[0], C + 1, *t.shape[2:], dtype=t.dtype, device=device)
+                                 for name, t in self.conv.items()}
+        self.ring_checkpoints = [torch.zeros(t.shape[0], (C + 1) * W, *t.shape[2:], dtype=t.dtype, device=device)
+                                 for t in self.sliding_kv]
         self.block_table = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32, device=device)
         self.block_table_host = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32)  # mirror for prep
 
@@ -59,6 +67,8 @@ class StatePool:
 
         self.slots = IndexAllocator(S, "slot")
         self.pages = IndexAllocator(num_pages - 1, "page")
+        self.page_refs = [0] * num_pages  # requests and prefix-cache entries holding each page
+        self.checkpoints = IndexAllocator(C, "checkpoint")
         self.slot_of: dict[str, int] = {}
         self.pages_of: dict[str, list[int]] = {}
         # HiCache: whether compiled steps carry a per-layer barrier, and the handle its op waits on.
@@ -71,22 +81,26 @@ class StatePool:
     def pages_needed(self, num_tokens: int) -> int:
         return pages_for(num_tokens, self.page_size) if self.global_layers else 0
 
-    def can_admit(self, num_tokens: int) -> bool:
-        return self.slots.num_free > 0 and self.pages.num_free >= self.pages_needed(num_tokens)
+    def can_admit(self, num_tokens: int, shared_pages: int = 0) -> bool:
+        return self.slots.num_free > 0 and self.pages.num_free >= self.pages_needed(num_tokens) - shared_pages
 
-    def allocate(self, request_id: str, num_tokens: int) -> int:
-        """Reserves a slot and the pages for `num_tokens` tokens; clears the slot's conv state and its
+    def allocate(self, request_id: str, num_tokens: int, shared_pages: list[int] = ()) -> int:
+        """Reserves a slot and the pages for `num_tokens` tokens, the first of them `shared_pages` (a cached
+        prefix's, read-only: the request writes only past them); clears the slot's conv state and its
         sliding-window rings, so nothing of the slot's previous request can be read."""
         if request_id in self.slot_of:
             raise KeyError(f"request {request_id!r} already holds slot {self.slot_of[request_id]}")
         need = self.pages_needed(num_tokens)
         if need > self.max_pages_per_seq:
             raise ValueError(f"{num_tokens} tokens need {need} pages; the block table holds {self.max_pages_per_seq}")
-        if not self.can_admit(num_tokens):
+        shared = list(shared_pages)
+        if not self.can_admit(num_tokens, len(shared)):
             raise RuntimeError(f"pool exhausted: {self.slots.num_free} slots and {self.pages.num_free} pages free, "
-                               f"request needs 1 slot and {need} pages")
+                               f"request needs 1 slot and {need - len(shared)} pages")
         (slot,) = self.slots.allocate(1)
-        pages = self.pages.allocate(need)
+        pages = shared + self.pages.allocate(need - len(shared))
+        for page in pages:
+            self.page_refs[page] += 1
         self.slot_of[request_id], self.pages_of[request_id] = slot, pages
         row = self.block_table_host[slot]
         row.zero_()
@@ -101,10 +115,31 @@ class StatePool:
 
     def free(self, request_id: str) -> None:
         slot = self.slot_of.pop(request_id)
-        self.pages.free(self.pages_of.pop(request_id))
+        for page in self.pages_of.pop(request_id):
+            self.release_page(page)
         self.block_table[slot].zero_()
         self.block_table_host[slot].zero_()
         self.slots.free([slot])
+
+    def retain_page(self, page: int) -> None:
+        self.page_refs[page] += 1
+
+    def release_page(self, page: int) -> None:
+        """Drops one holder of the page; the last one returns it to the free list."""
+        self.page_refs[page] -= 1
+        if self.page_refs[page] == 0:
+            self.pages.free([page])
+
+    # ---- prefix-cache checkpoints ---------------------------------------------------------------
+
+    def restore_checkpoint(self, slot: int, checkpoint: int) -> None:
+        """The slot's conv windows and sliding rings become the checkpoint's (a copy: the slot's state is
+        its own to change, the checkpoint stays for the next hit)."""
+        for name, t in self.conv.items():
+            t[:, slot] = self.conv_checkpoints[name][:, checkpoint]
+        W = self.config.sliding_window_size
+        for ring, saved in zip(self.sliding_kv, self.ring_checkpoints):
+            ring[:, slot * W:(slot + 1) * W] = saved[:, checkpoint * W:(checkpoint + 1) * W]
 
     # ---- layer lookup ---------------------------------------------------------------------------
 

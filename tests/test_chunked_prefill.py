@@ -1,0 +1,71 @@
+"""Chunked prefill: a long prompt is prefilled over several steps, each chunk continuing its conv
+windows and attending to the keys of the chunks before it through the cache; decoding requests keep
+their one token per step meanwhile. The oracle is transformers, batch 1."""
+
+import pytest
+
+from inkling_compiled.engine import Engine
+from inkling_compiled.sampling import SamplingParams
+
+from conftest import PARITY_CONFIGS, random_prompt
+
+NEW = 6
+PARAMS = SamplingParams(max_new_tokens=NEW, logprobs=True, ignore_eos=True)
+
+
+class PrefillLog:
+    """Wraps the engine's prefill: the tokens of each prefill forward."""
+
+    def __init__(self, engine):
+        self.tokens: list[int] = []
+        inner = engine.runner.prefill
+
+        def prefill(reqs, lengths):
+            self.tokens.append(sum(lengths))
+            return inner(reqs, lengths)
+
+        engine.runner.prefill = prefill
+
+
+def assert_matches(hf_greedy, name, prompt, out):
+    want_tokens, want_logprobs = hf_greedy(name, prompt, NEW)
+    assert out.token_ids == want_tokens
+    assert max(abs(a - b) for a, b in zip(out.logprobs, want_logprobs.tolist())) < 1e-4
+
+
+@pytest.mark.parametrize("name", PARITY_CONFIGS)
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_chunked_prompts_match_transformers_while_others_decode(name, chunk, checkpoint, hf_greedy):
+    """Prompt lengths put chunk boundaries inside and at the edge of the sliding window (8 / 5) and of
+    the relative-bias extent (16 / 11); two short requests decode in the same steps."""
+    engine = Engine.from_pretrained(checkpoint(name), compile=False, max_batch_size=6, prefill_chunk_tokens=chunk,
+                                    progress=False)
+    log = PrefillLog(engine)
+    short = [random_prompt(n, seed=500 + n) for n in (2, 3)]
+    long = [random_prompt(n, seed=600 + n) for n in (9, 17, 40, 150)]
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=60, logprobs=True, ignore_eos=True)) for p in short]
+    rids += [engine.add_request(p, PARAMS) for p in long]
+    final, decoded = {}, {rid: [] for rid in rids[:2]}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in decoded:
+                decoded[out.request_id].append(len(out.token_ids))
+            if out.finished:
+                final[out.request_id] = out
+    assert max(log.tokens) <= chunk  # no step prefills more than the budget
+    assert len(log.tokens) >= sum(map(len, short + long)) // chunk  # and the long prompts took many steps
+    for counts in decoded.values():  # the short requests advanced by one token every step until done
+        assert counts == list(range(1, len(counts) + 1))
+    for prompt, rid in zip(long, rids[2:]):
+        assert_matches(hf_greedy, name, prompt, final[rid])
+    for prompt, rid in zip(short, rids[:2]):
+        want, _ = hf_greedy(name, prompt, 60)
+        assert final[rid].token_ids == want
+
+
+def test_compiled_decode_after_chunked_prefill(checkpoint, hf_greedy):
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=True, max_batch_size=4, buckets=(1, 4),
+                                    prefill_chunk_tokens=7, progress=False)
+    prompts = [random_prompt(n, seed=700 + n) for n in (5, 23, 64)]
+    for prompt, out in zip(prompts, engine.generate(prompts, PARAMS)):
+        assert_matches(hf_greedy, "tiny", prompt, out)
