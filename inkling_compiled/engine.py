@@ -27,6 +27,7 @@ import torch
 
 from .backend import StepBackend
 from .cache import StatePool
+from .cache.prefix import Hit, PrefixCache
 from .checks import option_bool, option_int
 from .config import InklingConfig
 from .custom_ops.library import build_in_background
@@ -62,12 +63,13 @@ class Engine:
                  compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
                  cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
                  specialize_batch_one: bool = False, layer_transfer: bool = False, warmup: bool = True,
-                 progress: bool = True):
+                 progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         for name, flag in (("compile", compile), ("graph_per_bucket", graph_per_bucket),
                            ("specialize_batch_one", specialize_batch_one),
-                           ("layer_transfer", layer_transfer), ("warmup", warmup), ("progress", progress)):
+                           ("layer_transfer", layer_transfer), ("warmup", warmup), ("progress", progress),
+                           ("prefix_cache", prefix_cache)):
             option_bool(name, flag)
         self.device = resolve_device(device)
         self.max_batch_size = option_int("max_batch_size", max_batch_size)
@@ -86,9 +88,13 @@ class Engine:
             raise OptionError(f"num_pages={num_pages} holds no request: a 2-token request needs "
                               f"{pages_for(2, page_size)} pages of {page_size} beside the dummy")
         dtype = model.lm_head.weight.dtype
+        checkpoints = 0 if not prefix_cache else 4 * max_batch_size if prefix_checkpoints is None else \
+            option_int("prefix_checkpoints", prefix_checkpoints, 0)
         self.pool = StatePool(config, max_slots=max_batch_size, num_pages=num_pages, page_size=page_size,
                               max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device,
-                              layer_transfer=layer_transfer)
+                              layer_transfer=layer_transfer, checkpoints=checkpoints)
+        # Shared prompt prefixes: full KV pages and the state at their boundaries (see cache/prefix.py).
+        self.prefix = PrefixCache(self.pool) if prefix_cache else None
         self.backend = StepBackend(self.pool, config, max_batch_size=max_batch_size,
                                    max_tokens=self.prefill_chunk_tokens, device=self.device)
         self.decoder = None
@@ -221,6 +227,17 @@ class Engine:
         with self._lock:
             self.pool.register_layer_transfer_counter(counter)
 
+    def clear_prefix_cache(self) -> int:
+        """Drops every prefix-cache entry no running request resumed from (their pages and checkpoints
+        go back to the pool); how many were dropped."""
+        with self._lock:
+            dropped = 0
+            while self.prefix is not None and (leaves := self.prefix.evictable()):
+                for entry in leaves:
+                    self.prefix.evict(entry)
+                dropped += len(leaves)
+            return dropped
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self.waiting or self.prefilling or self.running or self._finished or self._undelivered)
@@ -256,9 +273,13 @@ class Engine:
     def _advance(self) -> list[RequestOutput]:
         stepped: list[Request] = []
 
-        def run(batch: list[Request], forward, sampled: list[Request]) -> None:
+        def run(batch: list[Request], forward, sampled: list[Request], after=None) -> None:
             stepped.extend(sampled)
             self._run_contained(batch, forward, sampled)
+            # a failed forward also ends the requests that were not to sample (a prompt's middle chunk)
+            stepped.extend(r for r in batch if r.finish_reason is not None and r not in sampled)
+            if after is not None:
+                after()
             for req in batch:  # finished: slot and pages go back before anything else runs
                 if req.finish_reason is not None and self._holds(req):
                     self._release(req)
@@ -271,7 +292,9 @@ class Engine:
             if chunks:
                 batch, lengths = [r for r, _ in chunks], [n for _, n in chunks]
                 complete = [r for r, n in chunks if r.prefilled + n == len(r.prompt)]
-                run(batch, lambda reqs: self.runner.prefill(reqs, lengths), complete)
+                checkpoints = self._plan_checkpoints(chunks)
+                run(batch, lambda reqs: self._prefill(reqs, lengths, checkpoints), complete,
+                    after=lambda: self._cache_prefixes(chunks, checkpoints))
                 for req, n in chunks:
                     if req.finish_reason is None:
                         req.prefilled += n
@@ -304,10 +327,68 @@ class Engine:
             if not isinstance(e, Exception):
                 raise
 
+    def _prefill(self, reqs: list[Request], lengths: list[int], checkpoints: dict) -> StepOutput:
+        """The prefill forward, taking the planned prefix-cache checkpoints on the way."""
+        context = self.backend.context
+        context.checkpoints = [(row, pages * self.pool.page_size, checkpoint)
+                               for row, req in enumerate(reqs) for pages, checkpoint in checkpoints[req].items()]
+        try:
+            return self.runner.prefill(reqs, lengths)
+        finally:
+            context.checkpoints = []
+
+    def _plan_checkpoints(self, chunks: list[tuple[Request, int]]) -> dict[Request, dict[int, int]]:
+        """request -> {pages: checkpoint index} for the page boundaries its chunk crosses that the prefix
+        cache has no checkpoint for yet (as many as free or evictable checkpoints allow)."""
+        planned: dict[Request, dict[int, int]] = {req: {} for req, _ in chunks}
+        if self.prefix is None:
+            return planned
+        page = self.pool.page_size
+        for req, n in chunks:
+            for pages in range(req.prefilled // page + 1, (req.prefilled + n) // page + 1):
+                if not self.prefix.needs_checkpoint(req.prompt, pages):
+                    continue
+                if not self.prefix.make_room(checkpoints=1):
+                    return planned
+                planned[req][pages] = self.pool.checkpoints.allocate(1)[0]
+        return planned
+
+    def _cache_prefixes(self, chunks: list[tuple[Request, int]], checkpoints: dict[Request, dict[int, int]]) -> None:
+        """After a prefill forward: each request's full prompt pages enter the prefix cache with the
+        checkpoints taken at their boundaries (a failed request's checkpoints are dropped)."""
+        for req, n in chunks:
+            planned = checkpoints[req]
+            if req.finish_reason == "error" or self.prefix is None:
+                self.pool.checkpoints.free(list(planned.values()))
+                continue
+            self.prefix.insert(req.prompt, (req.prefilled + n) // self.pool.page_size,
+                               self.pool.pages_of[req.request_id], planned)
+
+    def _admit(self, req: Request) -> bool:
+        """Gives the request a slot and pages, resuming from the longest cached prefix of its prompt
+        (evicting unused cache entries if pages are short); False if it must wait."""
+        hit = self.prefix.lookup(req.prompt) if self.prefix is not None else Hit(None, 0, [])
+        if hit.entry is not None:
+            self.prefix.acquire(hit)  # pinned first: making room must not evict what it resumes from
+        shared = len(hit.pages)
+        if not self.pool.can_admit(req.budget, shared) and not (
+                self.prefix is not None and self.prefix.make_room(pages=self.pool.pages_needed(req.budget) - shared)
+                and self.pool.can_admit(req.budget, shared)):
+            if hit.entry is not None:
+                self.prefix.release(hit.entry)
+            return False
+        slot = self.pool.allocate(req.request_id, req.budget, hit.pages)
+        if hit.entry is not None:
+            self.pool.restore_checkpoint(slot, hit.entry.checkpoint)
+            req.prefix_entry, req.prefilled, req.cached_tokens = hit.entry, hit.tokens, hit.tokens
+            self.prefix.hits += 1
+            self.prefix.hit_tokens += hit.tokens
+        return True
+
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
         """(request, prompt tokens to prefill now) within the step's budget, first come first served:
         prompts already being prefilled continue, then waiting requests are admitted while a slot and
-        the pages for their whole budget are free."""
+        the pages for their whole budget are free (a prefix-cache hit starts past its cached tokens)."""
         chunks, budget = [], self.prefill_chunk_tokens
         for req in self.prefilling:
             if budget == 0:
@@ -317,12 +398,11 @@ class Engine:
             budget -= n
         while budget and self.waiting and len(self.running) + len(self.prefilling) < self.max_batch_size:
             req = self.waiting[0]
-            if not self.pool.can_admit(req.budget):
+            if not self._admit(req):
                 break  # first come, first served: later requests wait behind it
             self.waiting.popleft()
-            self.pool.allocate(req.request_id, req.budget)
             self.prefilling.append(req)
-            n = min(len(req.prompt), budget)
+            n = min(len(req.prompt) - req.prefilled, budget)
             chunks.append((req, n))
             budget -= n
         return chunks
@@ -353,13 +433,16 @@ class Engine:
     def _release(self, req: Request) -> None:
         (self.running if req in self.running else self.prefilling).remove(req)
         self.pool.free(req.request_id)
+        if self.prefix is not None:
+            self.prefix.release(req.prefix_entry)
+            req.prefix_entry = None
 
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output) if self.tokenizer is not None else None
         return RequestOutput(req.request_id, req.prompt, list(req.output),
                              list(req.logprobs) if req.params.logprobs else None,
                              list(req.top_logprobs) if req.params.top_logprobs else None, req.finish_reason, text,
-                             req.error)
+                             req.error, req.cached_tokens)
 
     # ---- offline --------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class RequestOutput:
     finish_reason: str | None  # "length" | "stop" | "abort" | "error" once finished
     text: str | None = None
     error: str | None = None  # why, when finish_reason == "error"
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)
 
     @property
     def finished(self) -> bool:
@@ -45,6 +46,8 @@ class Request:
     stop_ids: frozenset[int]
     budget: int  # prompt + tokens it may generate, capped at max_model_len
     prefilled: int = 0  # prompt tokens whose state is in the pool (chunked prefill)
+    cached_tokens: int = 0  # of those, the ones a prefix-cache hit supplied
+    prefix_entry: object = None  # the prefix-cache entry it resumed from (pinned while it runs)
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)

@@ -69,3 +69,29 @@ def test_compiled_decode_after_chunked_prefill(checkpoint, hf_greedy):
     prompts = [random_prompt(n, seed=700 + n) for n in (5, 23, 64)]
     for prompt, out in zip(prompts, engine.generate(prompts, PARAMS)):
         assert_matches(hf_greedy, "tiny", prompt, out)
+
+
+def test_a_fault_in_a_middle_chunk_fails_that_request_and_is_reported(checkpoint, hf_greedy):
+    """A prompt whose second of four chunks fails ends with finish_reason="error" (it samples nothing in
+    that step, yet its end is reported); a request decoding beside it is untouched; nothing leaks."""
+    from test_reliability import FaultyKernel
+
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, prefill_chunk_tokens=10,
+                                    progress=False)
+    short, long = random_prompt(3, seed=800), random_prompt(40, seed=801)
+    calm = engine.add_request(short, PARAMS)
+    engine.step()  # the short prompt's prefill
+    doomed = engine.add_request(long, PARAMS)
+    engine.step()  # the long prompt's first chunk
+    layers = engine.config.num_hidden_layers
+    fault = FaultyKernel("sconv_extend", fail_at=2 * layers)  # mid-forward of the second chunk
+    try:
+        outs = {o.request_id: o for o in engine.step()}
+    finally:
+        fault.remove()
+    assert outs[doomed].finish_reason == "error" and "injected fault" in outs[doomed].error
+    final = {}
+    while engine.has_unfinished():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert_matches(hf_greedy, "tiny", short, final[calm])
+    assert not engine.prefilling and engine.pool.slots.num_free == engine.pool.slots.capacity

@@ -54,7 +54,7 @@ class PrefixCache:
         self.pool, self.page_size = pool, pool.page_size
         self.root = PrefixEntry(None, (), 0, None)
         self._clock = itertools.count(1)
-        self.hits = self.hit_tokens = 0
+        self.hits = self.hit_tokens = 0  # requests that resumed from the cache, and the tokens it served them
 
     def _page(self, prompt: list[int], i: int) -> tuple[int, ...]:
         return tuple(prompt[i * self.page_size:(i + 1) * self.page_size])
@@ -80,8 +80,6 @@ class PrefixCache:
         for e in hit.entry.path():
             e.users += 1
             e.last_used = now
-        self.hits += 1
-        self.hit_tokens += hit.tokens
 
     def release(self, entry: PrefixEntry | None) -> None:
         if entry is not None:

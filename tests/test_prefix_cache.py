@@ -1,0 +1,174 @@
+"""The prefix cache: full prompt pages shared across requests, resumed from the conv windows and sliding
+rings checkpointed at their boundaries. Outputs are held to transformers (batch 1); `cached_tokens` to
+the exact boundary a hit must take; pool accounting to zero leaks."""
+
+import random
+
+import pytest
+import torch
+
+from inkling_compiled.engine import Engine
+from inkling_compiled.sampling import SamplingParams
+
+from conftest import PARITY_CONFIGS, random_prompt
+
+NEW = 5
+PARAMS = SamplingParams(max_new_tokens=NEW, logprobs=True, ignore_eos=True)
+PAGE = 8
+
+
+def engine_for(checkpoint, name, **kw):
+    kw = {"compile": False, "max_batch_size": 4, "page_size": PAGE, "prefill_chunk_tokens": 32, "progress": False,
+          **kw}
+    return Engine.from_pretrained(checkpoint(name), **kw)
+
+
+def assert_matches(hf_greedy, name, prompt, out):
+    want_tokens, want_logprobs = hf_greedy(name, prompt, NEW)
+    assert out.token_ids == want_tokens
+    assert max(abs(a - b) for a, b in zip(out.logprobs, want_logprobs.tolist())) < 1e-4
+
+
+def longest_boundary(prompt_len: int, shared: int) -> int:
+    """The deepest page boundary inside the shared prefix that leaves a prompt token to prefill."""
+    return min(shared, prompt_len - 1) // PAGE * PAGE
+
+
+def assert_no_leaks(engine):
+    """Every slot and checkpoint free; every page free or held by exactly the cache entries that own it."""
+    pool, cache = engine.pool, engine.prefix
+    assert not engine.has_unfinished()
+    assert pool.slots.num_free == pool.slots.capacity and not pool.slot_of and not pool.pages_of
+    entries = cache.entries() if cache else []
+    assert all(e.users == 0 for e in entries)
+    owned = [e.page for e in entries if e.page is not None]
+    assert sorted(p for p, refs in enumerate(pool.page_refs) if refs) == sorted(owned)
+    assert all(pool.page_refs[p] == 1 for p in owned)
+    assert pool.pages.num_free == pool.pages.capacity - len(owned)
+    assert pool.checkpoints.num_free == pool.checkpoints.capacity - sum(e.checkpoint is not None for e in entries)
+
+
+@pytest.mark.parametrize("name", PARITY_CONFIGS)
+def test_a_second_wave_resumes_from_the_shared_system_prompt(name, checkpoint, hf_greedy):
+    """16 requests share a 45-token system prompt, in two waves of 8. The second wave resumes from the
+    deepest page boundary inside it (40), and every output equals transformers'."""
+    engine = engine_for(checkpoint, name, max_batch_size=8, prefix_checkpoints=64)
+    system = random_prompt(45, seed=1)
+    prompts = [system + random_prompt(3 + i, seed=100 + i) for i in range(16)]
+    first = engine.generate(prompts[:8], PARAMS)
+    second = engine.generate(prompts[8:], PARAMS)
+    assert all(o.cached_tokens == longest_boundary(len(p), 45) for p, o in zip(prompts[8:], second))
+    assert first[0].cached_tokens == 0
+    for prompt, out in zip(prompts, first + second):
+        assert_matches(hf_greedy, name, prompt, out)
+    assert_no_leaks(engine)
+
+
+def test_edges_of_a_prefix(checkpoint, hf_greedy):
+    """A prompt diverging inside a page resumes from the page before; a prompt that is all cached prefix
+    resumes one page short of its end (its last token must be prefilled for its logits); prompts shorter
+    than a page, or than the conv kernel, hit nothing."""
+    engine = engine_for(checkpoint, "tiny")
+    base = random_prompt(40, seed=7)
+    (seed_out,) = engine.generate([base], PARAMS)
+    cases = [
+        (base[:21] + random_prompt(9, seed=8), 16),  # diverges at 21, inside page 3
+        (base[:32], 24),  # entirely cached (4 full pages): the 4th must be prefilled again
+        (base[:33], 32),
+        (base[:2], 0),  # shorter than the conv kernel
+        (base[:8], 0),  # exactly one page: nothing left to prefill past it
+    ]
+    for prompt, cached in cases:
+        (out,) = engine.generate([prompt], PARAMS)
+        assert out.cached_tokens == cached, prompt
+        assert_matches(hf_greedy, "tiny", prompt, out)
+    assert seed_out.cached_tokens == 0
+    assert_no_leaks(engine)
+
+
+def test_a_hit_then_abort_then_reuse(checkpoint, hf_greedy):
+    engine = engine_for(checkpoint, "tiny")
+    base = random_prompt(30, seed=9)
+    engine.generate([base], PARAMS)
+    rid = engine.add_request(base[:26] + [5, 6, 7], PARAMS)
+    engine.step()
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    prompt = base[:27] + [9]
+    (out,) = engine.generate([prompt], PARAMS)
+    assert out.cached_tokens == 24
+    assert_matches(hf_greedy, "tiny", prompt, out)
+    assert_no_leaks(engine)
+
+
+def test_eviction_under_a_small_budget_keeps_hits_correct(checkpoint, hf_greedy):
+    """A pool with pages for about two requests and 6 checkpoints: cached prefixes are evicted (least
+    recently used first) to admit new requests, and hits before and after eviction stay exact."""
+    engine = engine_for(checkpoint, "tiny", max_batch_size=2, num_pages=16, max_model_len=64,
+                        prefix_checkpoints=6)
+    a, b = random_prompt(33, seed=11), random_prompt(33, seed=12)
+    (out_a,) = engine.generate([a], PARAMS)
+    (hit_a,) = engine.generate([a[:30] + [3]], PARAMS)
+    assert hit_a.cached_tokens == 24
+    engine.generate([b], PARAMS)
+    engine.generate([random_prompt(50, seed=13)], PARAMS)  # needs pages: evicts
+    (again,) = engine.generate([b[:30] + [4]], PARAMS)
+    for prompt, out in [(a, out_a), (a[:30] + [3], hit_a), (b[:30] + [4], again)]:
+        assert_matches(hf_greedy, "tiny", prompt, out)
+    assert again.cached_tokens in (0, 8, 16, 24)
+    assert_no_leaks(engine)
+
+
+def test_no_prefix_cache_means_no_hits(checkpoint, hf_greedy):
+    engine = engine_for(checkpoint, "tiny", prefix_cache=False)
+    base = random_prompt(30, seed=9)
+    outs = engine.generate([base, base + [3]], PARAMS) + engine.generate([base + [4]], PARAMS)
+    assert [o.cached_tokens for o in outs] == [0, 0, 0]
+    assert engine.prefix is None and engine.pool.checkpoints.capacity == 0
+
+
+def test_random_schedules_leak_nothing(checkpoint):
+    """Arrivals sharing prefixes, aborts at random points (prefilling or decoding), small pools that
+    force eviction: afterwards no slot, page or checkpoint is held but by the cache, and nothing is
+    pinned. Every served request equals its solo run on an engine without the cache."""
+    rng = random.Random(0)
+    engine = engine_for(checkpoint, "tiny", max_batch_size=3, num_pages=24, max_model_len=64, prefill_chunk_tokens=11,
+                        prefix_checkpoints=5)
+    solo = engine_for(checkpoint, "tiny", max_batch_size=1, prefix_cache=False, max_model_len=64)
+    roots = [random_prompt(24, seed=20 + i) for i in range(3)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    live, served = {}, {}
+    for step in range(120):
+        if step < 80 and rng.random() < 0.4:
+            prompt = rng.choice(roots)[:rng.randint(1, 24)] + random_prompt(rng.randint(0, 9), seed=step)
+            live[engine.add_request(prompt, params)] = prompt
+        if live and rng.random() < 0.08:
+            rid = rng.choice(sorted(live))
+            engine.abort(rid)
+            live.pop(rid)
+        for out in engine.step():
+            if out.finished and out.finish_reason != "abort":
+                served[out.request_id] = (live.pop(out.request_id), out.token_ids)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished and out.finish_reason != "abort":
+                served[out.request_id] = (live.pop(out.request_id), out.token_ids)
+    assert len(served) > 20 and engine.prefix.hits > 5
+    for prompt, tokens in served.values():
+        assert solo.generate([prompt], params)[0].token_ids == tokens
+    assert_no_leaks(engine)
+    assert engine.clear_prefix_cache() > 0  # and the cache itself empties completely
+    assert engine.pool.pages.num_free == engine.pool.pages.capacity
+    assert engine.pool.checkpoints.num_free == engine.pool.checkpoints.capacity
+
+
+def test_compiled_engine_with_hits(checkpoint, hf_greedy):
+    engine = engine_for(checkpoint, "tiny", compile=True, buckets=(1, 4))
+    system = random_prompt(20, seed=30)
+    prompts = [system + random_prompt(4, seed=31 + i) for i in range(4)]
+    outs = engine.generate(prompts[:1], PARAMS) + engine.generate(prompts[1:], PARAMS)
+    assert [o.cached_tokens for o in outs] == [0, 16, 16, 16]
+    for prompt, out in zip(prompts, outs):
+        assert_matches(hf_greedy, "tiny", prompt, out)
+    torch._dynamo.reset()
