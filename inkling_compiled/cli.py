@@ -55,7 +55,7 @@ def _engine_args(args):
         else None
     return dict(device=args.device, dtype=args.dtype, compile=args.compile, max_batch_size=args.max_batch_size,
                 buckets=buckets, compile_backend=args.compile_backend,
-                prefill_chunk_tokens=args.prefill_chunk_tokens)
+                prefill_chunk_tokens=args.prefill_chunk_tokens, prefix_cache=args.prefix_cache)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -242,6 +242,8 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens to generate per prompt")
     p.add_argument("--prefill-chunk-tokens", type=positive_int, default=256,
                    help="prompt tokens prefilled per step, all requests together (longer prompts take several)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the cached state of prompt prefixes other requests had (--no-prefix-cache: off)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
 
 

@@ -56,9 +56,10 @@ class PoolContext:
 
     def __init__(self, pool: StatePool, config: InklingConfig, metadata: StepMetadata):
         self.pool, self.config, self.metadata = pool, config, metadata
-        # Set for an eager prefill step by whoever schedules it: (row, boundary position, checkpoint index)
-        # of each prefix-cache checkpoint to take, the row's state as it stands at that position.
-        self.checkpoints: list[tuple[int, int, int]] = []
+        # Set for an eager prefill step by whoever schedules it, all known on the host: (row, packed start
+        # of the row's chunk, position of its first token, boundary position, checkpoint index) of each
+        # prefix-cache checkpoint to take, the row's state as it stands at the boundary.
+        self.checkpoints: list[tuple[int, int, int, int, int]] = []
         self._conv_range_names = [[f"layer {i} sconv {s}" for s in STREAM_NAMES] for i in range(config.num_hidden_layers)]
 
     # ---- pool reads: one slice each, resolved per call ---------------------------------------------
@@ -103,13 +104,11 @@ class PoolContext:
     def checkpoint_conv(self, x32: torch.Tensor, before: torch.Tensor, layer_id: int, stream: int) -> None:
         """Eager prefill only: each checkpoint's conv window of this (layer, stream), the K-1 inputs
         before its boundary, out of the row's window before the step (`before`) and its chunk."""
-        md, K = self.metadata, self.config.conv_kernel_size
-        qsl = md.query_start_loc.tolist()
+        K = self.config.conv_kernel_size
         name, index = self.pool.layer_index(layer_id, stream)
-        for row, boundary, checkpoint in self.checkpoints:
-            start, end = qsl[row], qsl[row + 1]
-            first = int(md.positions[start])
-            inputs = torch.cat([before[row], x32[start:end]])  # positions first-K+1 .. end-1
+        for row, start, first, boundary, checkpoint in self.checkpoints:
+            # the window before the chunk (positions first-K+1 .. first-1), then the chunk's inputs
+            inputs = torch.cat([before[row], x32[start:start + boundary - first]])
             self.pool.conv_checkpoints[name][index, checkpoint] = inputs[boundary - first:boundary - first + K - 1]
 
     def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
@@ -160,7 +159,7 @@ class PoolContext:
         W = self.config.sliding_window_size
         _, index = self.pool.streams.kv_locate(layer_id)
         for ring, source in zip(self.pool.ring_checkpoints, (keys, values)):
-            for r, boundary, checkpoint in self.checkpoints:
+            for r, _, _, boundary, checkpoint in self.checkpoints:
                 if r != row:
                     continue
                 saved = ring[index, checkpoint * W:(checkpoint + 1) * W]

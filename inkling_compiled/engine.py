@@ -63,9 +63,13 @@ class Engine:
                  compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
                  cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
                  specialize_batch_one: bool = False, layer_transfer: bool = False, warmup: bool = True,
-                 progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None):
+                 progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
+                 max_prefill_tokens=None):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        if max_prefill_tokens is not None:
+            raise OptionError("max_prefill_tokens was replaced by prefill_chunk_tokens: the prompt tokens one step "
+                              "prefills (a longer prompt is prefilled over several steps)")
         for name, flag in (("compile", compile), ("graph_per_bucket", graph_per_bucket),
                            ("specialize_batch_one", specialize_batch_one),
                            ("layer_transfer", layer_transfer), ("warmup", warmup), ("progress", progress),
@@ -77,7 +81,9 @@ class Engine:
         page_size = option_int("page_size", page_size)
         # Prompt tokens one step prefills (all requests together): a long prompt takes several steps,
         # and no step's prefill is longer than this, so decoding requests keep their pace.
-        self.prefill_chunk_tokens = option_int("prefill_chunk_tokens", prefill_chunk_tokens)
+        # (never more than every slot's whole context: the metadata buffers are sized for it)
+        self.prefill_chunk_tokens = min(option_int("prefill_chunk_tokens", prefill_chunk_tokens),
+                                        self.max_batch_size * self.max_model_len)
         option_int("seed", seed, 0)
         buckets = choose_buckets(max_batch_size, buckets)  # checked whether or not they are compiled
         pages_per_seq = pages_for(max_model_len, page_size)
@@ -88,8 +94,10 @@ class Engine:
             raise OptionError(f"num_pages={num_pages} holds no request: a 2-token request needs "
                               f"{pages_for(2, page_size)} pages of {page_size} beside the dummy")
         dtype = model.lm_head.weight.dtype
-        checkpoints = 0 if not prefix_cache else 4 * max_batch_size if prefix_checkpoints is None else \
-            option_int("prefix_checkpoints", prefix_checkpoints, 0)
+        # At least one: a cache that can keep no state at any boundary could never be resumed from.
+        checkpoints = 4 * max_batch_size if prefix_checkpoints is None else \
+            option_int("prefix_checkpoints", prefix_checkpoints, 1)
+        checkpoints = checkpoints if prefix_cache else 0
         self.pool = StatePool(config, max_slots=max_batch_size, num_pages=num_pages, page_size=page_size,
                               max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device,
                               layer_transfer=layer_transfer, checkpoints=checkpoints)
@@ -275,11 +283,13 @@ class Engine:
 
         def run(batch: list[Request], forward, sampled: list[Request], after=None) -> None:
             stepped.extend(sampled)
-            self._run_contained(batch, forward, sampled)
-            # a failed forward also ends the requests that were not to sample (a prompt's middle chunk)
-            stepped.extend(r for r in batch if r.finish_reason is not None and r not in sampled)
-            if after is not None:
-                after()
+            try:
+                self._run_contained(batch, forward, sampled)
+            finally:  # an interrupt too: it failed the batch before propagating
+                # a failed forward also ends the requests that were not to sample (a prompt's middle chunk)
+                stepped.extend(r for r in batch if r.finish_reason is not None and r not in sampled)
+                if after is not None:
+                    after()
             for req in batch:  # finished: slot and pages go back before anything else runs
                 if req.finish_reason is not None and self._holds(req):
                     self._release(req)
@@ -329,9 +339,10 @@ class Engine:
 
     def _prefill(self, reqs: list[Request], lengths: list[int], checkpoints: dict) -> StepOutput:
         """The prefill forward, taking the planned prefix-cache checkpoints on the way."""
-        context = self.backend.context
-        context.checkpoints = [(row, pages * self.pool.page_size, checkpoint)
-                               for row, req in enumerate(reqs) for pages, checkpoint in checkpoints[req].items()]
+        context, starts = self.backend.context, itertools.accumulate([0] + lengths)
+        context.checkpoints = [(row, start, req.prefilled, pages * self.pool.page_size, checkpoint)
+                               for row, (req, start) in enumerate(zip(reqs, starts))
+                               for pages, checkpoint in checkpoints[req].items()]
         try:
             return self.runner.prefill(reqs, lengths)
         finally:
@@ -339,13 +350,14 @@ class Engine:
 
     def _plan_checkpoints(self, chunks: list[tuple[Request, int]]) -> dict[Request, dict[int, int]]:
         """request -> {pages: checkpoint index} for the page boundaries its chunk crosses that the prefix
-        cache has no checkpoint for yet (as many as free or evictable checkpoints allow)."""
+        cache has no checkpoint for yet, deepest first (a longer shared prefix saves more), as many as
+        free or evictable checkpoints allow."""
         planned: dict[Request, dict[int, int]] = {req: {} for req, _ in chunks}
         if self.prefix is None:
             return planned
         page = self.pool.page_size
         for req, n in chunks:
-            for pages in range(req.prefilled // page + 1, (req.prefilled + n) // page + 1):
+            for pages in range((req.prefilled + n) // page, req.prefilled // page, -1):
                 if not self.prefix.needs_checkpoint(req.prompt, pages):
                     continue
                 if not self.prefix.make_room(checkpoints=1):

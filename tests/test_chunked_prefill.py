@@ -95,3 +95,26 @@ def test_a_fault_in_a_middle_chunk_fails_that_request_and_is_reported(checkpoint
         final.update((o.request_id, o) for o in engine.step() if o.finished)
     assert_matches(hf_greedy, "tiny", short, final[calm])
     assert not engine.prefilling and engine.pool.slots.num_free == engine.pool.slots.capacity
+
+
+def test_an_interrupt_in_a_middle_chunk_is_reported_and_frees_its_checkpoints(checkpoint):
+    """KeyboardInterrupt inside the forward of a prompt's middle chunk propagates, the request comes back
+    with finish_reason="error" from the next step, and the checkpoints planned for it go back."""
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, prefill_chunk_tokens=16,
+                                    page_size=4, prefix_checkpoints=8, progress=False)
+    rid = engine.add_request(random_prompt(40, seed=900), PARAMS)
+    engine.step()  # first chunk
+    inner = engine.runner.prefill
+
+    def interrupted(reqs, lengths):
+        raise KeyboardInterrupt
+
+    engine.runner.prefill = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.runner.prefill = inner
+    outs = {o.request_id: o.finish_reason for o in engine.step()}
+    assert outs == {rid: "error"} and not engine.has_unfinished()
+    engine.clear_prefix_cache()
+    assert engine.pool.checkpoints.num_free == engine.pool.checkpoints.capacity
+    assert engine.pool.pages.num_free == engine.pool.pages.capacity

@@ -172,3 +172,46 @@ def test_compiled_engine_with_hits(checkpoint, hf_greedy):
     for prompt, out in zip(prompts, outs):
         assert_matches(hf_greedy, "tiny", prompt, out)
     torch._dynamo.reset()
+
+
+def test_scarce_checkpoints_go_to_the_deepest_boundaries(checkpoint):
+    """With 4 checkpoints and one 256-token chunk crossing 13 boundaries, the deepest are kept: later
+    requests sharing the 200-token prefix resume at 192, not at the first boundaries of the chunk."""
+    engine = engine_for(checkpoint, "tiny", max_batch_size=1, page_size=16, prefill_chunk_tokens=256,
+                        prefix_checkpoints=4)
+    system = random_prompt(200, seed=40)
+    outs = [engine.generate([system + random_prompt(9, seed=41 + i)], PARAMS)[0] for i in range(3)]
+    assert [o.cached_tokens for o in outs] == [0, 192, 192]
+
+
+def test_a_request_that_cannot_fit_does_not_wipe_the_cache(checkpoint):
+    """Eviction that could not admit the request anyway (the pages it would free are too few) evicts
+    nothing: the cached system prompt survives the wait."""
+    engine = engine_for(checkpoint, "tiny", max_model_len=64, num_pages=21, prefill_chunk_tokens=64)
+    long = SamplingParams(max_new_tokens=46, ignore_eos=True)
+    for seed in (1, 2):
+        engine.add_request(random_prompt(10, seed=seed), long)  # 56 tokens: 7 pages each, decoding a while
+    engine.step()
+    system = random_prompt(40, seed=3)
+    engine.generate([system + [1]], SamplingParams(max_new_tokens=2))  # 5 of its pages stay cached
+    cached = len(engine.prefix.entries())
+    waiting = engine.add_request(random_prompt(10, seed=4), SamplingParams(max_new_tokens=54, ignore_eos=True))
+    engine.step()  # needs 8 pages: 1 free + 5 evictable is not enough
+    assert any(r.request_id == waiting for r in engine.waiting) and len(engine.prefix.entries()) == cached
+    while engine.has_unfinished():
+        engine.step()
+    (out,) = engine.generate([system + [2]], SamplingParams(max_new_tokens=1))
+    assert out.cached_tokens == 40
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(prefix_checkpoints=0), "prefix_checkpoints must be an integer >= 1, got 0"),
+    (dict(prefix_checkpoints=-1, prefix_cache=False), "prefix_checkpoints must be an integer >= 1, got -1"),
+    (dict(prefix_cache="yes"), "prefix_cache must be True or False"),
+    (dict(max_prefill_tokens=64), "max_prefill_tokens was replaced by prefill_chunk_tokens"),
+])
+def test_prefix_options_are_checked(kwargs, needle, checkpoint):
+    from inkling_compiled.errors import OptionError
+
+    with pytest.raises(OptionError, match=needle):
+        engine_for(checkpoint, "tiny", **kwargs)

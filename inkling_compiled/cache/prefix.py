@@ -141,11 +141,20 @@ class PrefixCache:
             self.pool.checkpoints.free([entry.checkpoint])
 
     def make_room(self, pages: int = 0, checkpoints: int = 0) -> bool:
-        """Evicts until `pages` pages and `checkpoints` checkpoints are free (or nothing more can go);
-        whether they are."""
+        """Evicts until `pages` pages and `checkpoints` checkpoints are free; whether they are. Evicts
+        nothing if even evicting every unpinned entry would not free enough (an entry's page may be
+        held by a running request too, and then evicting it frees none)."""
         def short() -> bool:
             return self.pool.pages.num_free < pages or self.pool.checkpoints.num_free < checkpoints
 
+        if not short():
+            return True
+        unpinned = [e for e in self.entries() if e.users == 0]
+        freeable_pages = sum(e.page is not None and self.pool.page_refs[e.page] == 1 for e in unpinned)
+        freeable_checkpoints = sum(e.checkpoint is not None for e in unpinned)
+        if (self.pool.pages.num_free + freeable_pages < pages
+                or self.pool.checkpoints.num_free + freeable_checkpoints < checkpoints):
+            return False
         while short():
             leaves = self.evictable()
             if not leaves:

@@ -1,0 +1,89 @@
+"""Shared-prefix workload: time to first token and total time with the prefix cache off and on.
+
+    OMP_NUM_THREADS=1 python tools/bench_prefix.py [--config small] [--requests 64] [--prefix 1024]
+        [--suffix 32] [--new-tokens 32] [--chunk 2048] [--no-compile]
+
+Every request is the same `--prefix` tokens (a system prompt) and `--suffix` tokens of its own. Each
+engine first serves one request of the workload's shape, untimed (it builds and warms what it needs:
+with the cache on, that also caches the shared prefix, as the previous user of a system prompt would
+have), then all requests arrive at once and run to completion. TTFT is measured from their arrival
+to the step that returns each one's first token. A single request alone is timed the same way after
+the batch. Ratios are off / on; nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from inkling_compiled.engine import Engine
+from inkling_compiled.sampling import SamplingParams
+from inkling_compiled.tiny import build_tiny_checkpoint
+
+
+def workload(requests: int, prefix: int, suffix: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, 259, (prefix,), generator=g).tolist()
+    return [shared + torch.randint(3, 259, (suffix,), generator=g).tolist() for _ in range(requests)]
+
+
+def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[float], float, int]:
+    """(TTFT of each request, total seconds, prompt tokens served from the cache)."""
+    t0 = time.perf_counter()
+    rids = [engine.add_request(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    cached = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - t0
+            if out.finished:
+                cached += out.cached_tokens
+    return [first[r] for r in rids], time.perf_counter() - t0, cached
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="small")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prefix", type=int, default=1024)
+    p.add_argument("--suffix", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=2048, help="prefill_chunk_tokens")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    prompts = workload(args.requests, args.prefix, args.suffix, seed=0)
+    warm = workload(1, args.prefix, args.suffix, seed=0)[0][:args.prefix] + [7] * args.suffix
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_checkpoint(tmp, args.config)
+        for mode in ("off", "on"):
+            engine = Engine.from_pretrained(path, compile=args.compile, max_batch_size=args.requests,
+                                            max_model_len=args.prefix + args.suffix + args.new_tokens + 1,
+                                            prefill_chunk_tokens=args.chunk, prefix_cache=mode == "on",
+                                            prefix_checkpoints=4 * args.requests, progress=False)
+            serve(engine, [warm], params)
+            ttft, total, cached = serve(engine, prompts, params)
+            alone, _, _ = serve(engine, [prompts[0][:args.prefix] + [9] * args.suffix], params)
+            results[mode] = dict(ttft=statistics.mean(ttft), p50=statistics.median(ttft), total=total,
+                                 cached=cached, alone=alone[0])
+            print(f"cache {mode:3}: mean TTFT {results[mode]['ttft']:7.2f} s (median {results[mode]['p50']:.2f}), "
+                  f"total {total:7.2f} s, single request TTFT {alone[0] * 1e3:8.1f} ms, "
+                  f"{cached} prompt tokens from the cache", flush=True)
+    off, on = results["off"], results["on"]
+    print(f"\n{args.config}, {args.requests} requests, {args.prefix}-token shared prefix, {args.suffix}-token "
+          f"suffixes, {args.new_tokens} new tokens, chunk {args.chunk}, compile={args.compile}")
+    print("| measure | cache off | cache on | off / on |\n| --- | --- | --- | --- |")
+    for label, key, scale, unit in (("mean TTFT, all at once", "ttft", 1, "s"), ("median TTFT", "p50", 1, "s"),
+                                    ("total time", "total", 1, "s"), ("TTFT of a request alone", "alone", 1e3, "ms")):
+        print(f"| {label} | {off[key] * scale:.2f} {unit} | {on[key] * scale:.2f} {unit} | {off[key] / on[key]:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
