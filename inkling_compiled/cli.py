@@ -173,6 +173,7 @@ def _profile(args: argparse.Namespace) -> int:
     if args.nsys:
         return run_nsys(sys.argv[1:] if args.argv is None else args.argv, out)
     torch.set_num_threads(args.threads)
+    out.mkdir(parents=True, exist_ok=True)  # an unwritable folder fails now, not after building the engine
     engine = Engine.from_pretrained(args.model, **_engine_args(args))
     summary = profile(engine, out, batch=args.batch, steps=args.steps)
     print(f"wrote {out}/trace.json (open in https://ui.perfetto.dev or chrome://tracing)")

@@ -27,6 +27,7 @@ import torch
 
 from .backend import StepBackend
 from .cache import StatePool
+from .cache.budget import UnitCosts, split_budget
 from .cache.prefix import Hit, PrefixCache
 from .checks import option_bool, option_int
 from .config import InklingConfig
@@ -64,7 +65,7 @@ class Engine:
                  cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
                  specialize_batch_one: bool = False, layer_transfer: bool = False, warmup: bool = True,
                  progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
-                 max_prefill_tokens=None):
+                 state_memory_bytes: int | None = None, max_prefill_tokens=None):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         if max_prefill_tokens is not None:
@@ -87,17 +88,24 @@ class Engine:
         option_int("seed", seed, 0)
         buckets = choose_buckets(max_batch_size, buckets)  # checked whether or not they are compiled
         pages_per_seq = pages_for(max_model_len, page_size)
+        dtype = model.lm_head.weight.dtype
+        # At least one: a cache that can keep no state at any boundary could never be resumed from.
+        checkpoints = None if prefix_checkpoints is None else option_int("prefix_checkpoints", prefix_checkpoints, 1)
+        checkpoints = checkpoints if prefix_cache else 0
+        self.unit_costs = UnitCosts.of(config, page_size, dtype)
+        if state_memory_bytes is not None:  # one budget: slots first, then checkpoints, then pages
+            if num_pages is not None:
+                raise OptionError("give num_pages or state_memory_bytes, not both: the budget decides the pages")
+            num_pages, checkpoints = split_budget(
+                self.unit_costs, option_int("state_memory_bytes", state_memory_bytes), max_batch_size=max_batch_size,
+                checkpoints=checkpoints, min_pages=pages_for(2, page_size))
         if num_pages is None:
             num_pages = max_batch_size * pages_per_seq + 1  # every slot can hold a full-length request
         option_int("num_pages", num_pages, 2)  # one of them is the dummy
         if pages_for(2, page_size) > num_pages - 1:  # not even a one-token prompt and one new token fit
             raise OptionError(f"num_pages={num_pages} holds no request: a 2-token request needs "
                               f"{pages_for(2, page_size)} pages of {page_size} beside the dummy")
-        dtype = model.lm_head.weight.dtype
-        # At least one: a cache that can keep no state at any boundary could never be resumed from.
-        checkpoints = 4 * max_batch_size if prefix_checkpoints is None else \
-            option_int("prefix_checkpoints", prefix_checkpoints, 1)
-        checkpoints = checkpoints if prefix_cache else 0
+        checkpoints = 4 * max_batch_size if checkpoints is None else checkpoints
         self.pool = StatePool(config, max_slots=max_batch_size, num_pages=num_pages, page_size=page_size,
                               max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device,
                               layer_transfer=layer_transfer, checkpoints=checkpoints)
@@ -131,6 +139,7 @@ class Engine:
         self._owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> the generate() call awaiting it
         self._undelivered: dict[str, RequestOutput] = {}  # outputs generate() stepped past, for step() to return
         self._progress = progress
+        StageLog(progress).finish(self.memory_summary())
         if compile and warmup:
             self.warm_up()
 
@@ -234,6 +243,37 @@ class Engine:
                                "build it with layer_transfer=True to attach a layer-transfer counter")
         with self._lock:
             self.pool.register_layer_transfer_counter(counter)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of each part of what the engine holds, and how many units of each the pool has."""
+        pool, buffers = self.pool, self.backend.buffers
+
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "weights": size(self.model.parameters()),
+            "slot conv windows": size(pool.conv.values()),
+            "slot sliding rings": size(pool.sliding_kv),
+            "KV pages": size(pool.global_kv),
+            "prefix checkpoints": size([*pool.conv_checkpoints.values(), *pool.ring_checkpoints]),
+            "draft windows": size(pool.intermediate_conv_window.values()),
+            "step metadata": buffers.decode_region.bytes.numel() + buffers.prefill_region.bytes.numel(),
+            "slots": pool.max_slots, "pages": pool.num_pages - 1, "page_size": pool.page_size,
+            "checkpoints": pool.checkpoints.capacity,
+        }
+
+    def memory_summary(self) -> str:
+        """`memory_report()` as one line (what start-up prints)."""
+        r = self.memory_report()
+
+        def mib(n: int) -> str:
+            return f"{n / 2**20:.1f} MiB"
+
+        return (f"memory: weights {mib(r['weights'])}; {r['slots']} slots "
+                f"{mib(r['slot conv windows'] + r['slot sliding rings'])}; {r['pages']} KV pages of "
+                f"{r['page_size']} tokens {mib(r['KV pages'])}; {r['checkpoints']} prefix checkpoints "
+                f"{mib(r['prefix checkpoints'])}; step metadata {r['step metadata'] / 1024:.0f} KiB")
 
     def clear_prefix_cache(self) -> int:
         """Drops every prefix-cache entry no running request resumed from (their pages and checkpoints

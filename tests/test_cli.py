@@ -124,13 +124,15 @@ def test_an_unwritable_output_folder_is_one_error_line(checkpoint, tmp_path, cap
 
 
 def test_generate_compiles_only_the_bucket_it_starts_in_and_says_so(checkpoint, capsys):
-    """Two prompts: bucket 2's graph, no other; each start-up stage is a line on stderr off a terminal."""
+    """Two prompts: bucket 2's graph, no other; each start-up stage is a line on stderr off a terminal,
+    the state pool's memory first."""
     assert main(["generate", "--model", str(checkpoint("tiny")), "--prompt", "5,6,7", "--prompt", "8,9",
                  "--token-ids", "--max-new-tokens", "3", "--ignore-eos", "--compile-backend", "eager"]) == 0
     err = capsys.readouterr().err
     stages = [line for line in err.splitlines() if line.startswith("inkling-compiled: ")]
-    assert stages[0] == "inkling-compiled: compiling the decode step: bucket 2"
-    assert "decode step ready: 1 graph(s) for buckets 2 in" in stages[1]
+    assert stages[0].startswith("inkling-compiled: memory: weights ") and "KV pages of 16 tokens" in stages[0]
+    assert stages[1] == "inkling-compiled: compiling the decode step: bucket 2"
+    assert "decode step ready: 1 graph(s) for buckets 2 in" in stages[2]
     assert not any("bucket 1" in line or "bucket 4" in line for line in stages)
 
 

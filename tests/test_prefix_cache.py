@@ -215,3 +215,26 @@ def test_prefix_options_are_checked(kwargs, needle, checkpoint):
 
     with pytest.raises(OptionError, match=needle):
         engine_for(checkpoint, "tiny", **kwargs)
+
+
+def test_one_state_budget_is_split_and_reported(checkpoint):
+    """state_memory_bytes: the slots first, then checkpoints (4 per slot, at most a quarter of what is
+    left), then KV pages; the memory report counts the tensors the pool really holds."""
+    from inkling_compiled.errors import OptionError
+
+    engine = engine_for(checkpoint, "tiny", state_memory_bytes=2**20)
+    report, costs = engine.memory_report(), engine.unit_costs
+    slots = report["slot conv windows"] + report["slot sliding rings"]
+    assert slots == (report["slots"] + 1) * costs.slot
+    assert report["prefix checkpoints"] == (report["checkpoints"] + 1) * costs.checkpoint
+    assert report["KV pages"] == (report["pages"] + 1) * costs.page
+    assert report["checkpoints"] == min(4 * 4, (2**20 - 5 * costs.slot) // 4 // costs.checkpoint - 1)
+    held = sum(report[k] for k in ("slot conv windows", "slot sliding rings", "KV pages", "prefix checkpoints"))
+    assert 2**20 - costs.page < held <= 2**20  # the whole budget, to a page
+    (out,) = engine.generate([random_prompt(30, seed=1)], PARAMS)
+    assert out.finish_reason == "length"
+    with pytest.raises(OptionError, match=r"state_memory_bytes=1000 holds too little: 4 slots \("):
+        engine_for(checkpoint, "tiny", state_memory_bytes=1000)
+    with pytest.raises(OptionError, match="give num_pages or state_memory_bytes, not both"):
+        engine_for(checkpoint, "tiny", state_memory_bytes=2**20, num_pages=9)
+    assert "KV pages of 8 tokens" in engine.memory_summary()

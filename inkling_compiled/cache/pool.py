@@ -54,9 +54,10 @@ class StatePool:
         # window, every sliding ring), kept so that a request starting with that prefix resumes from it.
         # Index 0 is unused (the allocator hands out 1..checkpoints).
         C = checkpoints
-        self.conv_checkpoints = {name: torch.zeros(t.shape[0], C + 1, *t.shape[2:], dtype=t.dtype, device=device)
+        rows = C + 1 if C else 0
+        self.conv_checkpoints = {name: torch.zeros(t.shape[0], rows, *t.shape[2:], dtype=t.dtype, device=device)
                                  for name, t in self.conv.items()}
-        self.ring_checkpoints = [torch.zeros(t.shape[0], (C + 1) * W, *t.shape[2:], dtype=t.dtype, device=device)
+        self.ring_checkpoints = [torch.zeros(t.shape[0], rows * W, *t.shape[2:], dtype=t.dtype, device=device)
                                  for t in self.sliding_kv]
         self.block_table = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32, device=device)
         self.block_table_host = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32)  # mirror for prep
