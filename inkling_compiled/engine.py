@@ -32,7 +32,7 @@ from .cache.prefix import Hit, PrefixCache
 from .checks import option_bool, option_int
 from .config import InklingConfig
 from .custom_ops.library import build_in_background
-from .errors import CompileError, OptionError, RequestError
+from .errors import OptionError, RequestError
 from .graphs import CompiledDecoder, choose_buckets
 from .kv_layout import pages_for
 from .loading import load_model, resolve_device
@@ -233,14 +233,12 @@ class Engine:
 
     def attach_layer_transfer_counter(self, counter) -> None:
         """Attach a HiCache-style counter (`wait_until(layer_id)`): every step then waits for a layer's
-        transfer before touching its state. Compiled engines carry the per-layer barrier only when
-        built with layer_transfer=True."""
+        transfer before touching its state. Compiled engines built with layer_transfer=True wait at each
+        layer inside the graph (the rest of the step overlaps the transfer); others wait for every layer
+        before the replay starts."""
         if counter is not None and not callable(getattr(counter, "wait_until", None)):
             raise OptionError(f"a layer-transfer counter needs a wait_until(layer_id) method; "
                               f"{type(counter).__name__} has none")
-        if self.decoder is not None and counter is not None and not self.pool.layer_transfer:
-            raise CompileError("this compiled engine has no per-layer barrier in its graphs; "
-                               "build it with layer_transfer=True to attach a layer-transfer counter")
         with self._lock:
             self.pool.register_layer_transfer_counter(counter)
 

@@ -111,6 +111,11 @@ class CompiledRunner(EagerRunner):
         self.decoder = decoder
 
     def decode(self, reqs) -> StepOutput:
+        pool = self.backend.pool
+        if pool.layer_transfer_counter is not None and not pool.layer_transfer:
+            # graphs without a per-layer barrier: every layer's transfer completes before the replay
+            with nvtx_range("wait for every layer's transfer"):
+                pool.wait_for_all_layers()
         parts = []
         for start in range(0, len(reqs), self.decoder.largest):  # a batch over the largest bucket is split
             chunk = reqs[start:start + self.decoder.largest]

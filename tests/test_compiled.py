@@ -318,10 +318,12 @@ class LateCounter:
         self.waits.append((layer_id, blocked))
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_step_never_reads_a_layer_before_its_transfer(compile, checkpoint):
+@pytest.mark.parametrize("compile, barrier", [(False, True), (True, True), (True, False)])
+def test_step_never_reads_a_layer_before_its_transfer(compile, barrier, checkpoint):
+    """Eager: the pool's accessors wait. Compiled with the barrier: one wait_layer op per layer, inside the
+    graph. Compiled without it: the step waits for every layer before the replay starts."""
     kw = dict(buckets=(1,), compile_backend="inductor") if compile else {}
-    engine = Engine.from_pretrained(checkpoint("tiny"), compile=compile, max_batch_size=2, layer_transfer=True,
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=compile, max_batch_size=2, layer_transfer=barrier,
                                     progress=False, **kw)
     rid = engine.add_request(random_prompt(11, seed=4), SamplingParams(max_new_tokens=5, ignore_eos=True,
                                                                        logprobs=True))
@@ -345,7 +347,7 @@ def test_step_never_reads_a_layer_before_its_transfer(compile, checkpoint):
     assert out.token_ids == reference.token_ids and out.logprobs == reference.logprobs
     assert list(dict.fromkeys(layer for layer, _ in counter.waits)) == list(layers)  # first waits in layer order
     assert counter.waits[0][1], "the first wait should have had to block"
-    if compile:  # the graph's barrier: one wait_layer per layer, no Python waits from the accessors
+    if compile:  # one wait per layer: the graph's barrier, or the wait before the replay
         assert len(counter.waits) == len(layers)
 
 
@@ -375,12 +377,6 @@ def test_attaching_and_detaching_a_counter_never_recompiles(checkpoint):
     assert engine.generate([[5, 6, 7]], params)[0].token_ids == plain
     assert counter.waits == 8 * layers
     assert len(get_compilation_metrics()) == compiled_frames
-
-
-def test_attaching_a_counter_needs_a_barrier_built_in(checkpoint):
-    engine = compiled_engine(checkpoint, "tiny", max_batch_size=2, buckets=(1, 2), compile_backend="eager")
-    with pytest.raises(CompileError, match="layer_transfer=True"):
-        engine.attach_layer_transfer_counter(LateCounter(engine.pool, []))
 
 
 def test_serving_survives_libraries_registering_pytree_nodes_after_warm_up(checkpoint):

@@ -155,6 +155,12 @@ class StatePool:
         if not torch.compiler.is_compiling() and self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(layer_id)
 
+    def wait_for_all_layers(self) -> None:
+        """Returns once every layer's transfer is done (a step whose graph has no per-layer barrier)."""
+        if self.layer_transfer_counter is not None:
+            for layer in range(self.config.num_hidden_layers):
+                self.layer_transfer_counter.wait_until(layer)
+
     def layer_index(self, layer_id: int, stream: int) -> tuple[str, int]:
         """Waits for the layer's transfer (if a counter is attached); (pool stream, index in it)."""
         self._wait_for(layer_id)
