@@ -28,6 +28,7 @@ import torch
 from .backend import StepBackend
 from .cache import StatePool
 from .cache.budget import UnitCosts, split_budget
+from .cache.host_tier import HostLoad, Loads
 from .cache.prefix import Hit, PrefixCache
 from .checks import option_bool, option_int
 from .config import InklingConfig
@@ -65,7 +66,7 @@ class Engine:
                  cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
                  specialize_batch_one: bool = False, layer_transfer: bool = False, warmup: bool = True,
                  progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
-                 state_memory_bytes: int | None = None, max_prefill_tokens=None):
+                 state_memory_bytes: int | None = None, host_cache_bytes: int = 0, max_prefill_tokens=None):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         if max_prefill_tokens is not None:
@@ -110,7 +111,10 @@ class Engine:
                               max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device,
                               layer_transfer=layer_transfer, checkpoints=checkpoints)
         # Shared prompt prefixes: full KV pages and the state at their boundaries (see cache/prefix.py).
-        self.prefix = PrefixCache(self.pool) if prefix_cache else None
+        self.prefix = PrefixCache(self.pool, option_int("host_cache_bytes", host_cache_bytes, 0)) \
+            if prefix_cache else None
+        self._loads: list = []  # (HostLoad, its entries) admitted this step
+        self._user_counter = None  # a layer-transfer counter attached by the caller
         self.backend = StepBackend(self.pool, config, max_batch_size=max_batch_size,
                                    max_tokens=self.prefill_chunk_tokens, device=self.device)
         self.decoder = None
@@ -240,6 +244,7 @@ class Engine:
             raise OptionError(f"a layer-transfer counter needs a wait_until(layer_id) method; "
                               f"{type(counter).__name__} has none")
         with self._lock:
+            self._user_counter = counter
             self.pool.register_layer_transfer_counter(counter)
 
     def memory_report(self) -> dict[str, int]:
@@ -277,12 +282,7 @@ class Engine:
         """Drops every prefix-cache entry no running request resumed from (their pages and checkpoints
         go back to the pool); how many were dropped."""
         with self._lock:
-            dropped = 0
-            while self.prefix is not None and (leaves := self.prefix.evictable()):
-                for entry in leaves:
-                    self.prefix.evict(entry)
-                dropped += len(leaves)
-            return dropped
+            return self.prefix.clear() if self.prefix is not None else 0
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -341,8 +341,14 @@ class Engine:
                 batch, lengths = [r for r, _ in chunks], [n for _, n in chunks]
                 complete = [r for r, n in chunks if r.prefilled + n == len(r.prompt)]
                 checkpoints = self._plan_checkpoints(chunks)
-                run(batch, lambda reqs: self._prefill(reqs, lengths, checkpoints), complete,
-                    after=lambda: self._cache_prefixes(chunks, checkpoints))
+                if self._loads:  # cached prefixes coming back from the host tier: layer L waits for them
+                    counters = [load for load, _ in self._loads] + [c for c in (self._user_counter,) if c]
+                    self.pool.register_layer_transfer_counter(Loads(counters))
+                try:
+                    run(batch, lambda reqs: self._prefill(reqs, lengths, checkpoints), complete,
+                        after=lambda: self._cache_prefixes(chunks, checkpoints))
+                finally:
+                    self._finish_loads()
                 for req, n in chunks:
                     if req.finish_reason is None:
                         req.prefilled += n
@@ -418,22 +424,53 @@ class Engine:
         """Gives the request a slot and pages, resuming from the longest cached prefix of its prompt
         (evicting unused cache entries if pages are short); False if it must wait."""
         hit = self.prefix.lookup(req.prompt) if self.prefix is not None else Hit(None, 0, [])
-        if hit.entry is not None:
-            self.prefix.acquire(hit)  # pinned first: making room must not evict what it resumes from
-        shared = len(hit.pages)
-        if not self.pool.can_admit(req.budget, shared) and not (
-                self.prefix is not None and self.prefix.make_room(pages=self.pool.pages_needed(req.budget) - shared)
-                and self.pool.can_admit(req.budget, shared)):
-            if hit.entry is not None:
-                self.prefix.release(hit.entry)
+        if hit.entry is None:
+            if not self.pool.can_admit(req.budget) and not (
+                    self.prefix is not None and self.prefix.make_room(pages=self.pool.pages_needed(req.budget))
+                    and self.pool.can_admit(req.budget)):
+                return False
+            self.pool.allocate(req.request_id, req.budget)
+            return True
+        path = hit.entry.path()
+        loading = [e for _, entries in self._loads for e in entries]
+        if any(entry in loading for entry in path):
+            return False  # its prefix is still coming back from the host for another request: next step
+        self.prefix.acquire(hit)  # pinned first: making room must not evict what it resumes from
+        on_host = [e for e in path if e.host is not None and e.host.kv is not None]  # pages to load back
+        checkpoint_on_host = hit.entry.checkpoint is None  # then it is on the host tier
+        shared = len(path) if self.pool.pages_needed(1) else 0
+        pages = self.pool.pages_needed(req.budget) - shared + len(on_host)
+        if not self.prefix.make_room(pages=pages, checkpoints=int(checkpoint_on_host)) or \
+                not self.pool.can_admit(req.budget, shared - len(on_host)):
+            self.prefix.release(hit.entry)
             return False
-        slot = self.pool.allocate(req.request_id, req.budget, hit.pages)
-        if hit.entry is not None:
+        for entry in on_host:  # fresh device pages; the data follows, layer by layer
+            entry.page = self.pool.pages.allocate(1)[0]
+            self.pool.retain_page(entry.page)
+        host_checkpoint = hit.entry.host if checkpoint_on_host else None
+        if checkpoint_on_host:
+            hit.entry.checkpoint = self.pool.checkpoints.allocate(1)[0]
+        slot = self.pool.allocate(req.request_id, req.budget, [e.page for e in path] if shared else [])
+        if on_host or checkpoint_on_host:
+            self.prefix.host_hits += 1
+            self._loads.append((HostLoad(self.pool, [(e.host, e.page) for e in on_host],
+                                         (host_checkpoint, hit.entry.checkpoint) if checkpoint_on_host else None,
+                                         slot).start(), [*on_host, hit.entry]))
+        if not checkpoint_on_host:
             self.pool.restore_checkpoint(slot, hit.entry.checkpoint)
-            req.prefix_entry, req.prefilled, req.cached_tokens = hit.entry, hit.tokens, hit.tokens
-            self.prefix.hits += 1
-            self.prefix.hit_tokens += hit.tokens
+        req.prefix_entry, req.prefilled, req.cached_tokens = hit.entry, hit.tokens, hit.tokens
+        self.prefix.hits += 1
+        self.prefix.hit_tokens += hit.tokens
         return True
+
+    def _finish_loads(self) -> None:
+        """After the prefill forward: host loads are complete, their entries live on the device again."""
+        for load, entries in self._loads:
+            load.join()
+            for entry in entries:
+                self.prefix.loaded(entry)
+        self._loads.clear()
+        self.pool.register_layer_transfer_counter(self._user_counter)
 
     def _schedule_prefill(self) -> list[tuple[Request, int]]:
         """(request, prompt tokens to prefill now) within the step's budget, first come first served:

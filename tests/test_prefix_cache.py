@@ -128,13 +128,14 @@ def test_no_prefix_cache_means_no_hits(checkpoint, hf_greedy):
     assert engine.prefix is None and engine.pool.checkpoints.capacity == 0
 
 
-def test_random_schedules_leak_nothing(checkpoint):
+@pytest.mark.parametrize("host_cache_bytes", [0, 20_000])  # off, and a host tier small enough to trim
+def test_random_schedules_leak_nothing(host_cache_bytes, checkpoint):
     """Arrivals sharing prefixes, aborts at random points (prefilling or decoding), small pools that
     force eviction: afterwards no slot, page or checkpoint is held but by the cache, and nothing is
     pinned. Every served request equals its solo run on an engine without the cache."""
     rng = random.Random(0)
     engine = engine_for(checkpoint, "tiny", max_batch_size=3, num_pages=24, max_model_len=64, prefill_chunk_tokens=11,
-                        prefix_checkpoints=5)
+                        prefix_checkpoints=5, host_cache_bytes=host_cache_bytes)
     solo = engine_for(checkpoint, "tiny", max_batch_size=1, prefix_cache=False, max_model_len=64)
     roots = [random_prompt(24, seed=20 + i) for i in range(3)]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -158,7 +159,10 @@ def test_random_schedules_leak_nothing(checkpoint):
     for prompt, tokens in served.values():
         assert solo.generate([prompt], params)[0].token_ids == tokens
     assert_no_leaks(engine)
+    assert 0 <= engine.prefix.host_used <= host_cache_bytes
+    assert (engine.prefix.host_hits > 0) == (host_cache_bytes > 0)  # the tier was really used
     assert engine.clear_prefix_cache() > 0  # and the cache itself empties completely
+    assert engine.prefix.host_used == 0 and not engine.prefix.entries()
     assert engine.pool.pages.num_free == engine.pool.pages.capacity
     assert engine.pool.checkpoints.num_free == engine.pool.checkpoints.capacity
 
@@ -238,3 +242,62 @@ def test_one_state_budget_is_split_and_reported(checkpoint):
     with pytest.raises(OptionError, match="give num_pages or state_memory_bytes, not both"):
         engine_for(checkpoint, "tiny", state_memory_bytes=2**20, num_pages=9)
     assert "KV pages of 8 tokens" in engine.memory_summary()
+
+
+def test_the_host_tier_keeps_evicted_prefixes_and_loads_them_back(checkpoint, hf_greedy):
+    """A pool too small for two cached prompts evicts the first to host memory (not dropped); a request
+    sharing it later resumes from it (loaded back layer by layer) with transformers' outputs."""
+    engine = engine_for(checkpoint, "tiny", max_batch_size=2, num_pages=13, max_model_len=64,
+                        prefix_checkpoints=3, host_cache_bytes=2**20)
+    a, b = random_prompt(33, seed=50), random_prompt(33, seed=51)
+    engine.generate([a], PARAMS)
+    engine.generate([b], PARAMS)  # needs a's pages: a's entries go to the host tier
+    assert any(e.host is not None for e in engine.prefix.entries()) and engine.prefix.host_used > 0
+    prompts = [a[:30] + [3], a[:29] + [4, 5]]  # both resume from it; the second waits for the first's load
+    outs = engine.generate(prompts, PARAMS)
+    assert [o.cached_tokens for o in outs] == [24, 24]
+    for prompt, out in zip(prompts, outs):
+        assert_matches(hf_greedy, "tiny", prompt, out)
+    assert_no_leaks(engine)
+    engine.clear_prefix_cache()
+    assert engine.prefix.host_used == 0 and not engine.prefix.entries()
+
+
+def test_a_host_load_that_lands_late_is_never_read_early(checkpoint, hf_greedy, monkeypatch):
+    """The load back from host memory is slowed down and everything it will write is NaN until it lands,
+    layer by layer: the prefill still gives transformers' outputs, so no layer was read early, and it
+    did have to wait."""
+    import time
+
+    from inkling_compiled.cache.host_tier import HostLoad
+
+    engine = engine_for(checkpoint, "tiny", max_batch_size=1, num_pages=9, max_model_len=64,
+                        prefix_checkpoints=3, host_cache_bytes=2**20)
+    a, b = random_prompt(33, seed=60), random_prompt(33, seed=61)
+    engine.generate([a], PARAMS)
+    engine.generate([b], PARAMS)
+    copy_layer, wait_until, blocked = HostLoad.copy_layer, HostLoad.wait_until, []
+
+    def late(self, layer):
+        if layer == 0:  # poison every destination first: a read before its layer lands sees NaN
+            pool, ps, W = self.pool, self.pool.page_size, self.pool.config.sliding_window_size
+            for _, page in self.pages:
+                for t in pool.global_kv:
+                    t[:, page * ps:(page + 1) * ps] = float("nan")
+            for t in pool.conv.values():
+                t[:, self.slot] = float("nan")
+            for t in pool.sliding_kv:
+                t[:, self.slot * W:(self.slot + 1) * W] = float("nan")
+        time.sleep(0.01)
+        copy_layer(self, layer)
+
+    def waiting(self, layer_id):
+        blocked.append(not self.done[layer_id].is_set())
+        wait_until(self, layer_id)
+
+    monkeypatch.setattr(HostLoad, "copy_layer", late)
+    monkeypatch.setattr(HostLoad, "wait_until", waiting)
+    prompt = a[:30] + [3]
+    (out,) = engine.generate([prompt], PARAMS)
+    assert out.cached_tokens == 24 and any(blocked)
+    assert_matches(hf_greedy, "tiny", prompt, out)

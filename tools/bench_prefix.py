@@ -1,4 +1,4 @@
-"""Shared-prefix workload: time to first token and total time with the prefix cache off and on.
+"""Shared-prefix workload: time to first token and total time, prefix cache off, on, and on the host tier.
 
     OMP_NUM_THREADS=1 python tools/bench_prefix.py [--config small] [--requests 64] [--prefix 1024]
         [--suffix 32] [--new-tokens 32] [--chunk 2048] [--no-compile]
@@ -8,7 +8,9 @@ engine first serves one request of the workload's shape, untimed (it builds and 
 with the cache on, that also caches the shared prefix, as the previous user of a system prompt would
 have), then all requests arrive at once and run to completion. TTFT is measured from their arrival
 to the step that returns each one's first token. A single request alone is timed the same way after
-the batch. Ratios are off / on; nothing here asserts a speed.
+the batch. "host" is the cache with every entry evicted to the host tier before the batch (and before
+the single request), so each first hit loads the prefix back. Ratios are against "off"; nothing here
+asserts a speed.
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> t
     return [first[r] for r in rids], time.perf_counter() - t0, cached
 
 
+def evict_to_host(engine: Engine) -> None:
+    """Every cached entry leaves the device for the host tier (as memory pressure would make it)."""
+    while leaves := engine.prefix.evictable():
+        for entry in leaves:
+            engine.prefix.evict(entry)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="small")
@@ -63,26 +72,33 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(tmp, args.config)
-        for mode in ("off", "on"):
+        for mode in ("off", "on", "host"):
             engine = Engine.from_pretrained(path, compile=args.compile, max_batch_size=args.requests,
                                             max_model_len=args.prefix + args.suffix + args.new_tokens + 1,
-                                            prefill_chunk_tokens=args.chunk, prefix_cache=mode == "on",
-                                            prefix_checkpoints=4 * args.requests, progress=False)
+                                            prefill_chunk_tokens=args.chunk, prefix_cache=mode != "off",
+                                            prefix_checkpoints=4 * args.requests, progress=False,
+                                            host_cache_bytes=2**31 if mode == "host" else 0)
             serve(engine, [warm], params)
+            if mode == "host":
+                evict_to_host(engine)
             ttft, total, cached = serve(engine, prompts, params)
+            if mode == "host":
+                evict_to_host(engine)
             alone, _, _ = serve(engine, [prompts[0][:args.prefix] + [9] * args.suffix], params)
             results[mode] = dict(ttft=statistics.mean(ttft), p50=statistics.median(ttft), total=total,
                                  cached=cached, alone=alone[0])
-            print(f"cache {mode:3}: mean TTFT {results[mode]['ttft']:7.2f} s (median {results[mode]['p50']:.2f}), "
+            print(f"cache {mode:4}: mean TTFT {results[mode]['ttft']:7.2f} s (median {results[mode]['p50']:.2f}), "
                   f"total {total:7.2f} s, single request TTFT {alone[0] * 1e3:8.1f} ms, "
                   f"{cached} prompt tokens from the cache", flush=True)
-    off, on = results["off"], results["on"]
+    off, on, host = results["off"], results["on"], results["host"]
     print(f"\n{args.config}, {args.requests} requests, {args.prefix}-token shared prefix, {args.suffix}-token "
           f"suffixes, {args.new_tokens} new tokens, chunk {args.chunk}, compile={args.compile}")
-    print("| measure | cache off | cache on | off / on |\n| --- | --- | --- | --- |")
+    print("| measure | cache off | cache on | host tier | off / on | off / host |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     for label, key, scale, unit in (("mean TTFT, all at once", "ttft", 1, "s"), ("median TTFT", "p50", 1, "s"),
                                     ("total time", "total", 1, "s"), ("TTFT of a request alone", "alone", 1e3, "ms")):
-        print(f"| {label} | {off[key] * scale:.2f} {unit} | {on[key] * scale:.2f} {unit} | {off[key] / on[key]:.1f}x |")
+        print(f"| {label} | {off[key] * scale:.2f} {unit} | {on[key] * scale:.2f} {unit} | "
+              f"{host[key] * scale:.2f} {unit} | {off[key] / on[key]:.1f}x | {off[key] / host[key]:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from .host_tier import HostCopy, copy_to_host
 from .pool import StatePool
 
 
@@ -32,6 +33,7 @@ class PrefixEntry:
     children: dict[tuple[int, ...], PrefixEntry] = dataclasses.field(default_factory=dict)
     users: int = 0  # running requests that resumed from here or below
     last_used: int = 0
+    host: HostCopy | None = None  # evicted to the host tier: page and checkpoint are None, the data is here
 
     def path(self) -> list[PrefixEntry]:
         """The entries from the first page down to this one."""
@@ -50,11 +52,13 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, pool: StatePool):
+    def __init__(self, pool: StatePool, host_bytes: int = 0):
         self.pool, self.page_size = pool, pool.page_size
+        self.host_bytes, self.host_used = host_bytes, 0  # the host tier's budget and what it holds
         self.root = PrefixEntry(None, (), 0, None)
         self._clock = itertools.count(1)
         self.hits = self.hit_tokens = 0  # requests that resumed from the cache, and the tokens it served them
+        self.host_hits = 0  # of those, the ones that loaded something back from the host tier
 
     def _page(self, prompt: list[int], i: int) -> tuple[int, ...]:
         return tuple(prompt[i * self.page_size:(i + 1) * self.page_size])
@@ -66,13 +70,11 @@ class PrefixCache:
             entry = entry.children.get(self._page(prompt, i))
             if entry is None:
                 break
-            if entry.checkpoint is not None:
+            if entry.checkpoint is not None or (entry.host is not None and entry.host.conv is not None):
                 best = entry
         if best is None:
             return Hit(None, 0, [])
-        path = best.path()
-        pages = [e.page for e in path] if best.page is not None else []
-        return Hit(best, best.depth * self.page_size, pages)
+        return Hit(best, best.depth * self.page_size, [])
 
     def acquire(self, hit: Hit) -> None:
         """Pins the hit's path while a request that resumed from it runs."""
@@ -97,7 +99,7 @@ class PrefixCache:
 
     def needs_checkpoint(self, prompt: list[int], pages: int) -> bool:
         entry = self.entry_at(prompt, pages)
-        return entry is None or entry.checkpoint is None
+        return entry is None or (entry.checkpoint is None and (entry.host is None or entry.host.conv is None))
 
     def insert(self, prompt: list[int], pages: int, page_ids: list[int], checkpoints: dict[int, int]) -> None:
         """Records the first `pages` full pages of `prompt`, whose KV sits in `page_ids` (the request's own
@@ -113,8 +115,15 @@ class PrefixCache:
                     self.pool.retain_page(page)
                 child = entry.children[key] = PrefixEntry(entry, key, i + 1, page)
             checkpoint = checkpoints.pop(i + 1, None)
+            if child.host is not None and (checkpoint is not None or child.host.conv is None):
+                # on the host tier, and this request has the same data on the device: adopt it
+                page = page_ids[i] if self.pool.pages_needed(1) else None
+                if page is not None:
+                    self.pool.retain_page(page)
+                child.page = page
+                self.loaded(child)
             if checkpoint is not None:
-                if child.checkpoint is None:
+                if child.checkpoint is None and child.host is None:
                     child.checkpoint = checkpoint
                 else:
                     self.pool.checkpoints.free([checkpoint])
@@ -123,22 +132,64 @@ class PrefixCache:
         self.pool.checkpoints.free(list(checkpoints.values()))  # boundaries past `pages`: not recorded
 
     def evictable(self) -> list[PrefixEntry]:
-        """Entries no running request pinned and no other entry hangs from: least recently used first."""
-        leaves, stack = [], list(self.root.children.values())
-        while stack:
-            e = stack.pop()
-            if e.children:
-                stack.extend(e.children.values())
-            elif e.users == 0:
-                leaves.append(e)
+        """Device entries no running request pinned and no device entry hangs from (what hangs below
+        them is on the host tier, if anything): least recently used first."""
+        leaves = [e for e in self.entries() if e.host is None and e.users == 0
+                  and all(c.host is not None for c in e.children.values())]
         return sorted(leaves, key=lambda e: e.last_used)
 
-    def evict(self, entry: PrefixEntry) -> None:
-        del entry.parent.children[entry.tokens]
+    def _release_device(self, entry: PrefixEntry) -> None:
         if entry.page is not None:
             self.pool.release_page(entry.page)
         if entry.checkpoint is not None:
             self.pool.checkpoints.free([entry.checkpoint])
+        entry.page = entry.checkpoint = None
+
+    def drop(self, entry: PrefixEntry) -> None:
+        """Removes a leaf entry from the cache, wherever its data is."""
+        del entry.parent.children[entry.tokens]
+        self._release_device(entry)
+        if entry.host is not None:
+            self.host_used -= entry.host.nbytes
+            entry.host = None
+
+    def evict(self, entry: PrefixEntry) -> None:
+        """Frees the entry's device page and checkpoint: its data moves to the host tier if that is on
+        and has room (after dropping its least recently used leaves), else the entry goes."""
+        if self.host_bytes:
+            copy = copy_to_host(self.pool, entry.page, entry.checkpoint)
+            if copy.nbytes <= self.host_bytes:
+                self._release_device(entry)
+                entry.host = copy
+                self.host_used += copy.nbytes
+                self._trim_host(keep=entry)
+                return
+        self.drop(entry)
+
+    def _trim_host(self, keep: PrefixEntry) -> None:
+        while self.host_used > self.host_bytes:
+            leaves = sorted((e for e in self.entries() if e.host is not None and not e.children and e.users == 0
+                             and e is not keep), key=lambda e: e.last_used)
+            if not leaves:
+                if keep.host is not None and not keep.children and keep.users == 0:
+                    self.drop(keep)
+                return
+            self.drop(leaves[0])
+
+    def loaded(self, entry: PrefixEntry) -> None:
+        """The entry's data is back on the device (its new page and checkpoint): the host copy goes."""
+        if entry.host is not None:
+            self.host_used -= entry.host.nbytes
+            entry.host = None
+
+    def clear(self) -> int:
+        """Drops every entry no running request pinned, device and host alike; how many."""
+        dropped = 0
+        while leaves := [e for e in self.entries() if not e.children and e.users == 0]:
+            for e in leaves:
+                self.drop(e)
+            dropped += len(leaves)
+        return dropped
 
     def make_room(self, pages: int = 0, checkpoints: int = 0) -> bool:
         """Evicts until `pages` pages and `checkpoints` checkpoints are free; whether they are. Evicts
@@ -149,7 +200,7 @@ class PrefixCache:
 
         if not short():
             return True
-        unpinned = [e for e in self.entries() if e.users == 0]
+        unpinned = [e for e in self.entries() if e.users == 0 and e.host is None]
         freeable_pages = sum(e.page is not None and self.pool.page_refs[e.page] == 1 for e in unpinned)
         freeable_checkpoints = sum(e.checkpoint is not None for e in unpinned)
         if (self.pool.pages.num_free + freeable_pages < pages
