@@ -342,7 +342,8 @@ class Engine:
                 complete = [r for r, n in chunks if r.prefilled + n == len(r.prompt)]
                 checkpoints = self._plan_checkpoints(chunks)
                 if self._loads:  # cached prefixes coming back from the host tier: layer L waits for them
-                    counters = [load for load, _ in self._loads] + [c for c in (self._user_counter,) if c]
+                    counters = [load for load, _ in self._loads]
+                    counters += [self._user_counter] if self._user_counter is not None else []
                     self.pool.register_layer_transfer_counter(Loads(counters))
                 try:
                     run(batch, lambda reqs: self._prefill(reqs, lengths, checkpoints), complete,
@@ -357,6 +358,8 @@ class Engine:
                             self.running.append(req)
         except BaseException:  # an interrupt: what finished in this step is delivered with the next one
             self._finished += [r for r in stepped if r.finish_reason is not None]
+            if self._loads:  # an interrupt before the prefill forward: the loads still finish
+                self._finish_loads()
             raise
         advanced, self._finished = self._finished + stepped, []
         return [self._output(r) for r in advanced]
@@ -432,8 +435,7 @@ class Engine:
             self.pool.allocate(req.request_id, req.budget)
             return True
         path = hit.entry.path()
-        loading = [e for _, entries in self._loads for e in entries]
-        if any(entry in loading for entry in path):
+        if any(entry.loading for entry in path):
             return False  # its prefix is still coming back from the host for another request: next step
         self.prefix.acquire(hit)  # pinned first: making room must not evict what it resumes from
         on_host = [e for e in path if e.host is not None and e.host.kv is not None]  # pages to load back
@@ -444,18 +446,25 @@ class Engine:
                 not self.pool.can_admit(req.budget, shared - len(on_host)):
             self.prefix.release(hit.entry)
             return False
+        loading = []  # (entry, whether it got a fresh page, whether a fresh checkpoint)
         for entry in on_host:  # fresh device pages; the data follows, layer by layer
             entry.page = self.pool.pages.allocate(1)[0]
             self.pool.retain_page(entry.page)
+            loading.append([entry, True, False])
         host_checkpoint = hit.entry.host if checkpoint_on_host else None
         if checkpoint_on_host:
             hit.entry.checkpoint = self.pool.checkpoints.allocate(1)[0]
+            if not loading or loading[-1][0] is not hit.entry:
+                loading.append([hit.entry, False, False])
+            loading[-1][2] = True
+        for entry, _, _ in loading:
+            entry.loading = True
         slot = self.pool.allocate(req.request_id, req.budget, [e.page for e in path] if shared else [])
         if on_host or checkpoint_on_host:
             self.prefix.host_hits += 1
             self._loads.append((HostLoad(self.pool, [(e.host, e.page) for e in on_host],
                                          (host_checkpoint, hit.entry.checkpoint) if checkpoint_on_host else None,
-                                         slot).start(), [*on_host, hit.entry]))
+                                         slot).start(), loading))
         if not checkpoint_on_host:
             self.pool.restore_checkpoint(slot, hit.entry.checkpoint)
         req.prefix_entry, req.prefilled, req.cached_tokens = hit.entry, hit.tokens, hit.tokens
@@ -464,11 +473,21 @@ class Engine:
         return True
 
     def _finish_loads(self) -> None:
-        """After the prefill forward: host loads are complete, their entries live on the device again."""
-        for load, entries in self._loads:
+        """After the prefill forward: host loads are complete, their entries live on the device again; a
+        load that failed gives its fresh pages and checkpoint back, and its entries stay on the host."""
+        for load, loading in self._loads:
             load.join()
-            for entry in entries:
-                self.prefix.loaded(entry)
+            for entry, fresh_page, fresh_checkpoint in loading:
+                entry.loading = False
+                if load.error is None:
+                    self.prefix.loaded(entry)
+                    continue
+                if fresh_page:
+                    self.pool.release_page(entry.page)
+                    entry.page = None
+                if fresh_checkpoint:
+                    self.pool.checkpoints.free([entry.checkpoint])
+                    entry.checkpoint = None
         self._loads.clear()
         self.pool.register_layer_transfer_counter(self._user_counter)
 

@@ -301,3 +301,68 @@ def test_a_host_load_that_lands_late_is_never_read_early(checkpoint, hf_greedy, 
     (out,) = engine.generate([prompt], PARAMS)
     assert out.cached_tokens == 24 and any(blocked)
     assert_matches(hf_greedy, "tiny", prompt, out)
+
+
+def assert_cleared(engine):
+    engine.clear_prefix_cache()
+    pool = engine.pool
+    assert pool.pages.num_free == pool.pages.capacity and pool.checkpoints.num_free == pool.checkpoints.capacity
+    assert engine.prefix.host_used == 0 and not engine.prefix.entries()
+
+
+def test_resuming_through_host_pages_without_checkpoints_leaks_nothing(checkpoint, hf_greedy):
+    """One checkpoint for the whole cache: pages pushed to the host tier come back as plain pages (no
+    checkpoint of their own) under a request that resumes below them; none is counted twice."""
+    engine = engine_for(checkpoint, "tiny", max_batch_size=2, num_pages=7, max_model_len=64, prefix_checkpoints=1,
+                        host_cache_bytes=2**20)
+    a, b = random_prompt(33, seed=50), random_prompt(33, seed=51)
+    engine.generate([a], PARAMS)
+    engine.generate([b], PARAMS)
+    prompt = a[:32] + [3]
+    (out,) = engine.generate([prompt], PARAMS)
+    assert out.cached_tokens == 32 and engine.prefix.host_hits == 1
+    assert_matches(hf_greedy, "tiny", prompt, out)
+    assert_no_leaks(engine)
+    assert_cleared(engine)
+
+
+def test_an_entry_too_big_for_the_host_tier_takes_its_host_children_along(checkpoint):
+    """A tier that holds a page but not a page and a checkpoint: the entry that does not fit is dropped
+    with the host entries below it, and their bytes leave the tier's count."""
+    engine = engine_for(checkpoint, "tiny", max_batch_size=1, num_pages=9, max_model_len=64, prefix_checkpoints=1,
+                        host_cache_bytes=5000)
+    a = random_prompt(25, seed=70)
+    for prompt in (a, a[:24] + random_prompt(17, seed=71), random_prompt(33, seed=72)):
+        engine.generate([prompt], PARAMS)
+        assert engine.prefix.host_used == sum(e.host.nbytes for e in engine.prefix.entries() if e.host)
+    assert_cleared(engine)
+
+
+def test_a_failed_host_load_fails_its_request_and_leaves_the_entries_on_the_host(checkpoint, hf_greedy,
+                                                                                  monkeypatch):
+    """The background copy raises at layer 1: the request resuming from it ends with an error, the
+    half-loaded pages and checkpoint go back, and the next request loads the prefix again, correctly."""
+    from inkling_compiled.cache.host_tier import HostLoad
+
+    engine = engine_for(checkpoint, "tiny", max_batch_size=2, num_pages=13, max_model_len=64, prefix_checkpoints=3,
+                        host_cache_bytes=2**20)
+    a, b = random_prompt(33, seed=50), random_prompt(33, seed=51)
+    engine.generate([a], PARAMS)
+    engine.generate([b], PARAMS)
+    copy_layer, failures = HostLoad.copy_layer, []
+
+    def failing_once(self, layer):
+        if layer == 1 and not failures:
+            failures.append(layer)
+            raise OSError("injected host copy failure")
+        copy_layer(self, layer)
+
+    monkeypatch.setattr(HostLoad, "copy_layer", failing_once)
+    (failed,) = engine.generate([a[:30] + [3]], PARAMS)
+    assert failed.finish_reason == "error" and "loading a cached prefix back from host memory" in failed.error
+    prompt = a[:30] + [4, 5]
+    (out,) = engine.generate([prompt], PARAMS)
+    assert out.cached_tokens == 24 and engine.prefix.host_hits == 2
+    assert_matches(hf_greedy, "tiny", prompt, out)
+    assert_no_leaks(engine)
+    assert_cleared(engine)

@@ -38,6 +38,18 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def host_nbytes(pool: StatePool, page: int | None, checkpoint: int | None) -> int:
+    """What `copy_to_host` of this page and checkpoint would hold, without copying."""
+    ps, W = pool.page_size, pool.config.sliding_window_size
+    size = 0
+    if page is not None:
+        size += sum(t[:, :ps].numel() * t.element_size() for t in pool.global_kv)
+    if checkpoint is not None:
+        size += sum(t[:, 0].numel() * t.element_size() for t in pool.conv_checkpoints.values())
+        size += sum(t[:, :W].numel() * t.element_size() for t in pool.ring_checkpoints)
+    return size
+
+
 def copy_to_host(pool: StatePool, page: int | None, checkpoint: int | None) -> HostCopy:
     ps, W = pool.page_size, pool.config.sliding_window_size
     kv = [_host(t[:, page * ps:(page + 1) * ps]) for t in pool.global_kv] if page is not None else None

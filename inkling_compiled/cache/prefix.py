@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from .host_tier import HostCopy, copy_to_host
+from .host_tier import HostCopy, copy_to_host, host_nbytes
 from .pool import StatePool
 
 
@@ -34,6 +34,7 @@ class PrefixEntry:
     users: int = 0  # running requests that resumed from here or below
     last_used: int = 0
     host: HostCopy | None = None  # evicted to the host tier: page and checkpoint are None, the data is here
+    loading: bool = False  # being copied back to its new page / checkpoint for a resuming request
 
     def path(self) -> list[PrefixEntry]:
         """The entries from the first page down to this one."""
@@ -115,7 +116,7 @@ class PrefixCache:
                     self.pool.retain_page(page)
                 child = entry.children[key] = PrefixEntry(entry, key, i + 1, page)
             checkpoint = checkpoints.pop(i + 1, None)
-            if child.host is not None and (checkpoint is not None or child.host.conv is None):
+            if child.host is not None and not child.loading and (checkpoint is not None or child.host.conv is None):
                 # on the host tier, and this request has the same data on the device: adopt it
                 page = page_ids[i] if self.pool.pages_needed(1) else None
                 if page is not None:
@@ -156,14 +157,19 @@ class PrefixCache:
     def evict(self, entry: PrefixEntry) -> None:
         """Frees the entry's device page and checkpoint: its data moves to the host tier if that is on
         and has room (after dropping its least recently used leaves), else the entry goes."""
-        if self.host_bytes:
+        if self.host_bytes and host_nbytes(self.pool, entry.page, entry.checkpoint) <= self.host_bytes:
             copy = copy_to_host(self.pool, entry.page, entry.checkpoint)
-            if copy.nbytes <= self.host_bytes:
-                self._release_device(entry)
-                entry.host = copy
-                self.host_used += copy.nbytes
-                self._trim_host(keep=entry)
-                return
+            self._release_device(entry)
+            entry.host = copy
+            self.host_used += copy.nbytes
+            self._trim_host(keep=entry)
+            return
+        self._drop_subtree(entry)
+
+    def _drop_subtree(self, entry: PrefixEntry) -> None:
+        """Drops the entry and everything below it (on the host tier, when this is called), deepest first."""
+        for child in list(entry.children.values()):
+            self._drop_subtree(child)
         self.drop(entry)
 
     def _trim_host(self, keep: PrefixEntry) -> None:
