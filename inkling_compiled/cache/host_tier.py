@@ -3,14 +3,15 @@
 An entry evicted from the device keeps its place in the prefix tree with its data copied to host
 tensors (pinned on CUDA): its KV page rows of every global layer and, if it had one, its checkpoint
 (every conv window, every sliding ring). A request that resumes through such entries gets fresh device
-pages (and a checkpoint) for them, and a `HostLoad` copies the data back on a background thread one
-layer at a time, restoring the request's slot layer by layer as it goes. It is the pool's layer-transfer
+pages (and a checkpoint) for them, and a `HostLoad` copies the data back on a background thread (on a
+CUDA stream of its own on a GPU) one layer at a time, restoring the request's slot layer by layer as it goes. It is the pool's layer-transfer
 counter while the request's first prefill chunk runs: the forward reads layer L only after
 `wait_until(L)`, so loading overlaps the layers before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -69,6 +70,13 @@ class HostLoad:
         self.pool, self.pages, self.checkpoint, self.slot = pool, pages, checkpoint, slot
         self.done = [threading.Event() for _ in range(pool.config.num_hidden_layers)]
         self.error: BaseException | None = None
+        device = pool.block_table.device
+        # On CUDA the copies run on a stream of their own, so they overlap the forward's kernels.
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # ...after what the stepping thread queued before (the slot's allocation clears its state).
+        self.queued = torch.cuda.Event() if self.stream is not None else None
+        if self.queued is not None:
+            self.queued.record(torch.cuda.current_stream(device))
         self.thread = threading.Thread(target=self._run, daemon=True, name="inkling-host-load")
 
     def start(self) -> HostLoad:
@@ -77,9 +85,14 @@ class HostLoad:
 
     def _run(self) -> None:
         try:
-            for layer in range(len(self.done)):
-                self.copy_layer(layer)
-                self.done[layer].set()
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                if self.queued is not None:
+                    self.stream.wait_event(self.queued)
+                for layer in range(len(self.done)):
+                    self.copy_layer(layer)
+                    if self.stream is not None:
+                        self.stream.synchronize()  # the layer is in place before it is reported done
+                    self.done[layer].set()
         except BaseException as e:  # surfaced by wait_until, on the stepping thread
             self.error = e
             for event in self.done:
@@ -103,8 +116,6 @@ class HostLoad:
             for ring, saved_ring, saved in zip(pool.sliding_kv, pool.ring_checkpoints, host.rings):
                 saved_ring[index, checkpoint * W:(checkpoint + 1) * W].copy_(saved[index])
                 ring[index, self.slot * W:(self.slot + 1) * W].copy_(saved[index])
-        if pool.conv_checkpoints and next(iter(pool.conv_checkpoints.values())).is_cuda:
-            torch.cuda.current_stream().synchronize()  # the layer is in place before it is reported done
 
     def wait_until(self, layer_id: int) -> None:
         self.done[layer_id].wait()
