@@ -426,7 +426,7 @@ class Engine:
     def _admit(self, req: Request) -> bool:
         """Gives the request a slot and pages, resuming from the longest cached prefix of its prompt
         (evicting unused cache entries if pages are short); False if it must wait."""
-        hit = self.prefix.lookup(req.prompt) if self.prefix is not None else Hit(None, 0, [])
+        hit = self.prefix.lookup(req.prompt) if self.prefix is not None else Hit(None, 0)
         if hit.entry is None:
             if not self.pool.can_admit(req.budget) and not (
                     self.prefix is not None and self.prefix.make_room(pages=self.pool.pages_needed(req.budget))

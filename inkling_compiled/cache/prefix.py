@@ -49,7 +49,6 @@ class PrefixEntry:
 class Hit:
     entry: PrefixEntry | None  # None: nothing to resume from
     tokens: int  # prompt tokens served from the cache (the entry's boundary)
-    pages: list[int]  # the shared KV pages above the boundary
 
 
 class PrefixCache:
@@ -74,8 +73,8 @@ class PrefixCache:
             if entry.checkpoint is not None or (entry.host is not None and entry.host.conv is not None):
                 best = entry
         if best is None:
-            return Hit(None, 0, [])
-        return Hit(best, best.depth * self.page_size, [])
+            return Hit(None, 0)
+        return Hit(best, best.depth * self.page_size)
 
     def acquire(self, hit: Hit) -> None:
         """Pins the hit's path while a request that resumed from it runs."""
