@@ -113,7 +113,7 @@ class Engine:
         # Shared prompt prefixes: full KV pages and the state at their boundaries (see cache/prefix.py).
         self.prefix = PrefixCache(self.pool, option_int("host_cache_bytes", host_cache_bytes, 0)) \
             if prefix_cache else None
-        self._loads: list = []  # (HostLoad, its entries) admitted this step
+        self._loads: list = []  # (HostLoad, the Reload it carries out) admitted this step
         self._user_counter = None  # a layer-transfer counter attached by the caller
         self.backend = StepBackend(self.pool, config, max_batch_size=max_batch_size,
                                    max_tokens=self.prefill_chunk_tokens, device=self.device)
@@ -438,33 +438,21 @@ class Engine:
         if any(entry.loading for entry in path):
             return False  # its prefix is still coming back from the host for another request: next step
         self.prefix.acquire(hit)  # pinned first: making room must not evict what it resumes from
-        on_host = [e for e in path if e.host is not None and e.host.kv is not None]  # pages to load back
-        checkpoint_on_host = hit.entry.checkpoint is None  # then it is on the host tier
+        host_pages, checkpoint_on_host = self.prefix.on_host(hit)  # to come back from the host tier
         shared = len(path) if self.pool.pages_needed(1) else 0
-        pages = self.pool.pages_needed(req.budget) - shared + len(on_host)
+        pages = self.pool.pages_needed(req.budget) - shared + len(host_pages)
         if not self.prefix.make_room(pages=pages, checkpoints=int(checkpoint_on_host)) or \
-                not self.pool.can_admit(req.budget, shared - len(on_host)):
+                not self.pool.can_admit(req.budget, shared - len(host_pages)):
             self.prefix.release(hit.entry)
             return False
-        loading = []  # (entry, whether it got a fresh page, whether a fresh checkpoint)
-        for entry in on_host:  # fresh device pages; the data follows, layer by layer
-            entry.page = self.pool.pages.allocate(1)[0]
-            self.pool.retain_page(entry.page)
-            loading.append([entry, True, False])
-        host_checkpoint = hit.entry.host if checkpoint_on_host else None
-        if checkpoint_on_host:
-            hit.entry.checkpoint = self.pool.checkpoints.allocate(1)[0]
-            if not loading or loading[-1][0] is not hit.entry:
-                loading.append([hit.entry, False, False])
-            loading[-1][2] = True
-        for entry, _, _ in loading:
-            entry.loading = True
+        reload = self.prefix.reserve_reload(hit)  # fresh device pages and checkpoint; the data follows
         slot = self.pool.allocate(req.request_id, req.budget, [e.page for e in path] if shared else [])
-        if on_host or checkpoint_on_host:
+        if reload:
             self.prefix.host_hits += 1
-            self._loads.append((HostLoad(self.pool, [(e.host, e.page) for e in on_host],
-                                         (host_checkpoint, hit.entry.checkpoint) if checkpoint_on_host else None,
-                                         slot).start(), loading))
+            checkpoint = reload.checkpoint
+            load = HostLoad(self.pool, [(e.host, e.page) for e in reload.pages],
+                            (checkpoint.host, checkpoint.checkpoint) if checkpoint else None, slot)
+            self._loads.append((load.start(), reload))
         if not checkpoint_on_host:
             self.pool.restore_checkpoint(slot, hit.entry.checkpoint)
         req.prefix_entry, req.prefilled, req.cached_tokens = hit.entry, hit.tokens, hit.tokens
@@ -475,19 +463,9 @@ class Engine:
     def _finish_loads(self) -> None:
         """After the prefill forward: host loads are complete, their entries live on the device again; a
         load that failed gives its fresh pages and checkpoint back, and its entries stay on the host."""
-        for load, loading in self._loads:
+        for load, reload in self._loads:
             load.join()
-            for entry, fresh_page, fresh_checkpoint in loading:
-                entry.loading = False
-                if load.error is None:
-                    self.prefix.loaded(entry)
-                    continue
-                if fresh_page:
-                    self.pool.release_page(entry.page)
-                    entry.page = None
-                if fresh_checkpoint:
-                    self.pool.checkpoints.free([entry.checkpoint])
-                    entry.checkpoint = None
+            self.prefix.finish_reload(reload, ok=load.error is None)
         self._loads.clear()
         self.pool.register_layer_transfer_counter(self._user_counter)
 

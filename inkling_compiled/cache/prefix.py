@@ -46,6 +46,22 @@ class PrefixEntry:
 
 
 @dataclasses.dataclass
+class Reload:
+    """What a hit brings back from the host tier: entries given fresh device pages, and the hit entry if
+    it was given a fresh checkpoint; their data is still on the host until the copy is done."""
+    pages: list[PrefixEntry]
+    checkpoint: PrefixEntry | None
+
+    def __bool__(self) -> bool:
+        return bool(self.pages) or self.checkpoint is not None
+
+    def entries(self) -> list[PrefixEntry]:
+        """Each entry it touches, once."""
+        extra = [self.checkpoint] if self.checkpoint is not None and self.checkpoint not in self.pages else []
+        return self.pages + extra
+
+
+@dataclasses.dataclass
 class Hit:
     entry: PrefixEntry | None  # None: nothing to resume from
     tokens: int  # prompt tokens served from the cache (the entry's boundary)
@@ -186,6 +202,41 @@ class PrefixCache:
         if entry.host is not None:
             self.host_used -= entry.host.nbytes
             entry.host = None
+
+    @staticmethod
+    def on_host(hit: Hit) -> tuple[list[PrefixEntry], bool]:
+        """(entries on the hit's path whose page is on the host tier, whether the hit's checkpoint is)."""
+        pages = [e for e in hit.entry.path() if e.host is not None and e.host.kv is not None]
+        return pages, hit.entry.checkpoint is None
+
+    def reserve_reload(self, hit: Hit) -> Reload:
+        """Gives the hit's host-tier data fresh device pages and checkpoint (free ones: make room first)
+        and marks those entries loading until `finish_reload`."""
+        pages, checkpoint_on_host = self.on_host(hit)
+        for entry in pages:
+            entry.page = self.pool.pages.allocate(1)[0]
+            self.pool.retain_page(entry.page)
+        if checkpoint_on_host:
+            hit.entry.checkpoint = self.pool.checkpoints.allocate(1)[0]
+        reload = Reload(pages, hit.entry if checkpoint_on_host else None)
+        for entry in reload.entries():
+            entry.loading = True
+        return reload
+
+    def finish_reload(self, reload: Reload, ok: bool) -> None:
+        """The copy is over: the entries live on the device again, or, if it failed, their fresh pages and
+        checkpoint go back and the data stays on the host."""
+        for entry in reload.entries():
+            entry.loading = False
+            if ok:
+                self.loaded(entry)
+                continue
+            if entry in reload.pages:
+                self.pool.release_page(entry.page)
+                entry.page = None
+            if entry is reload.checkpoint:
+                self.pool.checkpoints.free([entry.checkpoint])
+                entry.checkpoint = None
 
     def clear(self) -> int:
         """Drops every entry no running request pinned, device and host alike; how many."""
