@@ -14,9 +14,9 @@ from .linear import linear
 from .library import KERNELS, native_kernels, register_cpu_kernels
 from .moe import moe_experts
 from .sampling import top_k_top_p
-from .sconv import sconv_decode, sconv_extend
+from .sconv import commit_conv_windows, sconv_decode, sconv_extend, sconv_verify
 
 register_cpu_kernels()
 
-__all__ = ["KERNELS", "sconv_decode", "sconv_extend", "kv_write", "paged_attention", "ring_attention", "moe_experts",
+__all__ = ["KERNELS", "sconv_decode", "sconv_extend", "sconv_verify", "commit_conv_windows", "kv_write", "paged_attention", "ring_attention", "moe_experts",
            "wait_layer", "top_k_top_p", "linear", "native_kernels"]

@@ -56,6 +56,6 @@ paged_attention = define(
 
 ring_attention = define(
     "ring_attention(Tensor q, Tensor k_ring, Tensor v_ring, Tensor table, Tensor positions, Tensor cache_indices, "
-    "int window, int rel_extent) -> Tensor",
+    "int window, int rel_extent, int ring_size=0) -> Tensor",
     fake=lambda q, *args: torch.empty_like(q), reference=attend_ring,
     cuda=gpu_kernel("attention", "ring_attention"))

@@ -67,3 +67,44 @@ sconv_extend = define(
     "Tensor cache_indices, int layer_id=-1, int stream=-1) -> Tensor",
     fake=lambda x, *args, **kwargs: torch.empty_like(x), reference=sconv_extend_reference,
     cuda=gpu_kernel("sconv", "sconv_extend"))
+
+
+def sconv_verify_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cache_indices: torch.Tensor,
+                           windows: torch.Tensor, layer_id: int = -1, stream: int = -1) -> torch.Tensor:
+    """Speculative verification: T_d = windows.shape[1] tokens per row, x [B*T_d, D] row-major.
+
+    Each row continues its slot's window, which is read and never written (a rejected draft must leave
+    no trace). windows[b, t] ([rows, T_d, K-1, D], indexed by batch row) receives the window after the
+    row's token t: the K-1 inputs ending at it, what the slot would hold had decoding stopped there.
+    """
+    K, B, T_d = weight.shape[1], cache_indices.shape[0], windows.shape[1]
+    seq = torch.cat([state.index_select(0, cache_indices.long()), x.view(B, T_d, -1)], dim=1)  # [B, K-1+T_d, D]
+    y = seq[:, K - 1:] * weight[:, K - 1]
+    for back in range(1, K):
+        y = y + seq[:, K - 1 - back:K - 1 - back + T_d] * weight[:, K - 1 - back]
+    windows[:B] = torch.stack([seq[:, t + 1:t + K] for t in range(T_d)], dim=1)
+    return y.reshape(B * T_d, -1)
+
+
+def commit_conv_windows_reference(states: list[torch.Tensor], windows: list[torch.Tensor], slots: torch.Tensor,
+                                  steps: torch.Tensor) -> None:
+    """After a verify: for each verify row i, every layer's window of `slots[i]` becomes the one saved after
+    token `steps[i]` (the last accepted); a negative step leaves the slot alone. states[s] is a pool
+    stream `[L_s, slots, K-1, D]`, windows[s] its draft windows `[L_s, rows, T_d, K-1, D]`. No host sync:
+    a skipped row writes its slot's own windows back."""
+    rows = torch.arange(slots.shape[0], device=slots.device)
+    target, step = slots.long(), steps.long()
+    keep = (step >= 0)[None, :, None, None]
+    for state, saved in zip(states, windows):
+        state.index_copy_(1, target, torch.where(keep, saved[:, rows, step.clamp(min=0)], state[:, target]))
+
+
+sconv_verify = define(
+    "sconv_verify(Tensor x, Tensor state, Tensor weight, Tensor cache_indices, Tensor(a!) windows, int layer_id=-1, "
+    "int stream=-1) -> Tensor",
+    fake=lambda x, *args, **kwargs: torch.empty_like(x), reference=sconv_verify_reference,
+    cuda=gpu_kernel("sconv", "sconv_verify"))
+
+commit_conv_windows = define(
+    "commit_conv_windows(Tensor(a!)[] states, Tensor[] windows, Tensor slots, Tensor steps) -> ()",
+    fake=lambda *args: None, reference=commit_conv_windows_reference, cuda=gpu_kernel("sconv", "commit_conv_windows"))

@@ -15,7 +15,7 @@ import torch
 
 from inkling_compiled.streams import SCONV_MODULES, STREAM_NAMES
 
-SCONV_OPS = ("sconv_decode", "sconv_extend")
+SCONV_OPS = ("sconv_decode", "sconv_extend", "sconv_verify")
 _LAYER = re.compile(r"layers[\[.](\d+)")
 _STREAM_OF_MODULE = dict(zip(SCONV_MODULES, STREAM_NAMES))
 

@@ -68,13 +68,14 @@ def attend_from_scratch(config: InklingConfig, g: LayerGeometry, q, k, v, table,
     return torch.cat(outs) if outs else q.new_empty(q.shape)
 
 
-def attend_ring(q, k_ring, v_ring, table, positions, cache_indices, window: int, rel_extent: int):
-    """Decode on a sliding layer: each row's slot keeps its last `window` keys in a ring (the current
-    one included, already written). q [B, nh, hd], rings [slots*window, nkv, hd], table [B, nh, E]."""
-    j = torch.arange(window, device=q.device)
+def attend_ring(q, k_ring, v_ring, table, positions, cache_indices, window: int, rel_extent: int,
+                ring_size: int = 0):
+    """Decode on a sliding layer: each row's slot keeps its recent keys in a ring of `ring_size` entries
+    (0: the window), the current one included, already written; the row reads positions pos-W+1..pos.
+    q [B, nh, hd], rings [slots*ring_size, nkv, hd], table [B, nh, E]."""
     pos = positions[:, None]
-    loc = ring_location(cache_indices.long()[:, None], j, window)  # [B, W]: ring entry j of each row
-    k_pos = pos - torch.remainder(pos - j, window)  # newest position stored in ring entry j
+    k_pos = pos - (window - 1) + torch.arange(window, device=q.device)  # [B, W], oldest first
+    loc = ring_location(cache_indices.long()[:, None], k_pos.clamp(min=0), ring_size or window)
     out = attend(q[:, None], k_ring[loc], v_ring[loc], table[:, None], q_pos=pos, k_pos=k_pos,
                  key_mask=(k_pos >= 0)[:, None, :], tau=None, window=window, rel_extent=rel_extent)
     return out[:, 0]

@@ -25,8 +25,9 @@ def option_bool(name: str, value) -> bool:
     return value
 
 
-def option_int(name: str, value, minimum: int = 1) -> int:
-    """An engine option that must be an integer >= minimum, or an OptionError naming it."""
-    if not is_int(value) or value < minimum:
-        raise OptionError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def option_int(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
+    """An engine option that must be an integer in minimum..maximum, or an OptionError naming it."""
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise OptionError(f"{name} must be an integer {bound}, got {value!r}")
     return int(value)

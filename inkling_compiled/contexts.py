@@ -92,6 +92,9 @@ class PoolContext:
         md = self.conv_state_metadata()
         state = self.sconv_state(layer_id, stream)
         with nvtx_range(self._conv_range_names[layer_id][stream]):  # eager steps; kernels label replays
+            if md.draft_tokens:  # verify: the slot's window is only read; each token's window is saved
+                return torch.ops.inkling.sconv_verify(x32, state, weight, md.cache_indices,
+                                                      self.sconv_intermediate_window(layer_id, stream), layer_id, stream)
             if md.is_decode:
                 return torch.ops.inkling.sconv_decode(x32, state, weight, md.cache_indices, layer_id, stream)
             before = state.index_select(0, md.cache_indices.long()) if self.checkpoints else None
@@ -115,15 +118,21 @@ class PoolContext:
         md = self.metadata
         k_cache, v_cache = self.kv_cache(layer_id)
         table = r @ rel_proj
-        if not md.is_decode:
+        if not md.is_decode and not md.draft_tokens:
             return self.prefill_attention(layer_id, g, q, k, v, table, k_cache, v_cache)
+        slots, seq_lens = md.cache_indices, md.seq_lens
+        if md.draft_tokens:
+            # Verify: every token is a decode row of its own. All K+1 keys are written first, so each
+            # token reads the keys up to its own position (the ring has room for K more than the window).
+            slots = md.cache_indices[:, None].expand(-1, md.draft_tokens + 1).reshape(-1)
+            seq_lens = (md.positions + 1).to(torch.int32)
         torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
         if g.sliding:
-            return torch.ops.inkling.ring_attention(q, k_cache, v_cache, table, md.positions, md.cache_indices, g.window,
-                                                    g.rel_extent)
+            return torch.ops.inkling.ring_attention(q, k_cache, v_cache, table, md.positions, slots, g.window,
+                                                    g.rel_extent, self.pool.ring_size)
         tau = self.config.log_scale(md.positions) if g.log_scaling else None
         return torch.ops.inkling.paged_attention(q, k_cache, v_cache, table, tau, self.pool.block_table,
-                                                 md.cache_indices, md.seq_lens, self.pool.page_size, g.rel_extent)
+                                                 slots, seq_lens, self.pool.page_size, g.rel_extent)
 
     def prefill_attention(self, layer_id: int, g: LayerGeometry, q, k, v, table, k_cache, v_cache) -> torch.Tensor:
         """Eager prefill only (never traced: the host-sync scan knows it as such). Each row is a chunk of
@@ -153,26 +162,26 @@ class PoolContext:
         return torch.cat(outs) if outs else q.new_empty(q.shape)
 
     def _checkpoint_ring(self, layer_id: int, row: int, keys, values, first_key: int) -> None:
-        """This row's checkpoints of a sliding layer's ring: entry p % W holds position p, for the W
-        positions before the boundary (zero where p < 0, as in a fresh ring). `keys`/`values` hold the
+        """This row's checkpoints of a sliding layer's ring (laid out as a slot's ring, R entries): entry
+        p % R holds position p, for the W positions before the boundary (zero elsewhere, as in a fresh ring). `keys`/`values` hold the
         consecutive positions from `first_key`, which reach back far enough for any boundary in the chunk."""
-        W = self.config.sliding_window_size
+        W, R = self.config.sliding_window_size, self.pool.ring_size
         _, index = self.pool.streams.kv_locate(layer_id)
         for ring, source in zip(self.pool.ring_checkpoints, (keys, values)):
             for r, _, _, boundary, checkpoint in self.checkpoints:
                 if r != row:
                     continue
-                saved = ring[index, checkpoint * W:(checkpoint + 1) * W]
+                saved = ring[index, checkpoint * R:(checkpoint + 1) * R]
                 saved.zero_()
                 p = torch.arange(max(0, boundary - W), boundary, device=saved.device)
-                saved[p % W] = source[p - first_key]
+                saved[p % R] = source[p - first_key]
 
     def _cached_keys(self, g: LayerGeometry, k_cache, v_cache, slot: int, first: int):
         """(keys, values, positions) a chunk starting at position `first` reads from the cache."""
         device = k_cache.device
         if g.sliding:  # the ring holds the last W positions; a query at `first` sees W-1 of them
             pos = torch.arange(max(0, first - g.window + 1), first, device=device)
-            loc = ring_location(slot, pos, g.window)
+            loc = ring_location(slot, pos, self.pool.ring_size)
         else:
             pos = torch.arange(first, device=device)
             loc = page_location(self.pool.block_table, slot, pos, self.pool.page_size).long()

@@ -41,8 +41,9 @@ from .model import InklingForCausalLM
 from .nvtx import nvtx_range
 from .progress import StageLog
 from .requests import Request, RequestOutput, prompt_ids, prompt_list
-from .runner import CompiledRunner, DecodeStep, EagerRunner, StepOutput
+from .runner import CompiledRunner, DecodeStep, EagerRunner, StepOutput, VerifyOutput, VerifyStep
 from .sampling import SamplingParams
+from .speculative import MAX_SPECULATIVE_TOKENS, make_drafter
 from .tokenizer import TextTokenizer
 from .torch_state import PinnedTorchState
 
@@ -66,7 +67,8 @@ class Engine:
                  cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
                  specialize_batch_one: bool = False, layer_transfer: bool = False, warmup: bool = True,
                  progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
-                 state_memory_bytes: int | None = None, host_cache_bytes: int = 0, max_prefill_tokens=None):
+                 state_memory_bytes: int | None = None, host_cache_bytes: int = 0, speculative=None,
+                 num_speculative_tokens: int = 2, max_prefill_tokens=None):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         if max_prefill_tokens is not None:
@@ -90,10 +92,17 @@ class Engine:
         buckets = choose_buckets(max_batch_size, buckets)  # checked whether or not they are compiled
         pages_per_seq = pages_for(max_model_len, page_size)
         dtype = model.lm_head.weight.dtype
+        # Speculative decoding: K drafts per request and step, checked by one verify forward.
+        self.num_speculative_tokens = option_int("num_speculative_tokens", num_speculative_tokens, 1,
+                                                 MAX_SPECULATIVE_TOKENS) if speculative is not None else 0
+        self.drafter = make_drafter(speculative, self.num_speculative_tokens, model)
+        self.speculative = speculative if speculative is None or isinstance(speculative, str) \
+            else type(speculative).__name__
+        draft_tokens = self.num_speculative_tokens
         # At least one: a cache that can keep no state at any boundary could never be resumed from.
         checkpoints = None if prefix_checkpoints is None else option_int("prefix_checkpoints", prefix_checkpoints, 1)
         checkpoints = checkpoints if prefix_cache else 0
-        self.unit_costs = UnitCosts.of(config, page_size, dtype)
+        self.unit_costs = UnitCosts.of(config, page_size, dtype, config.sliding_window_size + draft_tokens)
         if state_memory_bytes is not None:  # one budget: slots first, then checkpoints, then pages
             if num_pages is not None:
                 raise OptionError("give num_pages or state_memory_bytes, not both: the budget decides the pages")
@@ -109,27 +118,35 @@ class Engine:
         checkpoints = 4 * max_batch_size if checkpoints is None else checkpoints
         self.pool = StatePool(config, max_slots=max_batch_size, num_pages=num_pages, page_size=page_size,
                               max_pages_per_seq=pages_per_seq, dtype=dtype, device=self.device,
-                              layer_transfer=layer_transfer, checkpoints=checkpoints)
+                              layer_transfer=layer_transfer, checkpoints=checkpoints,
+                              spec_draft_tokens=draft_tokens + 1 if draft_tokens else 0)
         # Shared prompt prefixes: full KV pages and the state at their boundaries (see cache/prefix.py).
         self.prefix = PrefixCache(self.pool, option_int("host_cache_bytes", host_cache_bytes, 0)) \
             if prefix_cache else None
         self._loads: list = []  # (HostLoad, the Reload it carries out) admitted this step
         self._user_counter = None  # a layer-transfer counter attached by the caller
         self.backend = StepBackend(self.pool, config, max_batch_size=max_batch_size,
-                                   max_tokens=self.prefill_chunk_tokens, device=self.device)
-        self.decoder = None
+                                   max_tokens=self.prefill_chunk_tokens, device=self.device,
+                                   draft_tokens=draft_tokens)
+        self.decoder = self.verifier = None
         if compile:
+            graph_options = dict(device=self.device, buckets=buckets, compile_backend=compile_backend, mode=compile_mode,
+                                 cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper,
+                                 guarded_sources=DecodeStep.GUARDED_SOURCES)
             self.decoder = CompiledDecoder(DecodeStep(model, self.backend), self.backend.prepare_padding,
-                                           device=self.device, buckets=buckets,
-                                           compile_backend=compile_backend, mode=compile_mode,
-                                           cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper,
                                            graph_per_bucket=graph_per_bucket,
-                                           specialize_batch_one=specialize_batch_one,
-                                           guarded_sources=DecodeStep.GUARDED_SOURCES)
+                                           specialize_batch_one=specialize_batch_one, **graph_options)
             self.backend.buffers.symbolic_batch = self.decoder.symbolic_batch
-            self.runner = CompiledRunner(model, self.backend, self.decoder)
+            if self.drafter is not None:  # verify graphs: static, one per bucket (for this K)
+                self.verifier = CompiledDecoder(
+                    VerifyStep(model, self.backend, self.drafter.needs_hidden), self.backend.prepare_verify_padding,
+                    graph_per_bucket=True, **graph_options)
+            self.runner = CompiledRunner(model, self.backend, self.decoder, self.verifier)
         else:
             self.runner = EagerRunner(model, self.backend)
+            self.runner.with_hidden = self.drafter is not None and self.drafter.needs_hidden
+        self.counters = dict.fromkeys(("decode_steps", "verify_steps", "row_steps", "decode_tokens", "spec_proposed",
+                                       "spec_accepted"), 0)
         # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
         self.torch_state = PinnedTorchState()
         self._lock = threading.RLock()
@@ -172,7 +189,13 @@ class Engine:
         t0 = time.perf_counter()
         with self._lock, self.torch_state.pinned():
             seconds = self.decoder.warmup(progress=stages, buckets=buckets)
-        stages.finish(f"decode step ready: {len(self.decoder.graphs())} graph(s) for buckets "
+            if self.verifier is not None:
+                verify = self.verifier.warmup(progress=lambda message, done, total: stages(
+                    message.replace("decode step", f"verify step (K={self.num_speculative_tokens})"), done, total),
+                    buckets=buckets)
+                seconds = {b: seconds[b] + verify.get(b, 0.0) for b in seconds}
+        verify_note = f" and {len(self.verifier.graphs())} verify graph(s)" if self.verifier is not None else ""
+        stages.finish(f"decode step ready: {len(self.decoder.graphs())} graph(s){verify_note} for buckets "
                       f"{', '.join(map(str, sorted(self.decoder.graph_of)))} in {time.perf_counter() - t0:.1f} s")
         return seconds
 
@@ -335,7 +358,7 @@ class Engine:
         try:
             if self.running:
                 batch = list(self.running)
-                run(batch, self.runner.decode, batch)
+                run(batch, self._decode_forward(batch), batch)
             chunks = self._schedule_prefill()  # after the decode, so the slots it freed are reused at once
             if chunks:
                 batch, lengths = [r for r, _ in chunks], [n for _, n in chunks]
@@ -383,6 +406,18 @@ class Engine:
                     self._release(req)
             if not isinstance(e, Exception):
                 raise
+
+    def _decode_forward(self, batch: list[Request]) -> Callable[[list[Request]], StepOutput | VerifyOutput]:
+        """A verify forward when the drafter has a guess for any request in the batch, else plain decode."""
+        drafts = self.drafter.propose(batch) if self.drafter is not None else None
+        if not drafts or all(d is None for d in drafts):
+            return self.runner.decode
+        K, full = self.num_speculative_tokens, []
+        for req, draft in zip(batch, drafts):
+            draft = list(draft or [])[:K]
+            req.drafted = len(draft)
+            full.append(draft + [draft[-1] if draft else req.output[-1]] * (K - len(draft)))  # stand-ins
+        return lambda reqs: self.runner.verify(reqs, full)
 
     def _prefill(self, reqs: list[Request], lengths: list[int], checkpoints: dict) -> StepOutput:
         """The prefill forward, taking the planned prefix-cache checkpoints on the way."""
@@ -491,24 +526,72 @@ class Engine:
             budget -= n
         return chunks
 
-    def _record(self, reqs: list[Request], out: StepOutput, sampled: list[Request]) -> None:
+    def _record(self, reqs: list[Request], out: StepOutput | VerifyOutput, sampled: list[Request]) -> None:
         if not sampled:
             return
-        tokens, chosen, top_ids, top_vals = out.to_host(max(r.params.top_logprobs for r in sampled))
+        top_n = max(r.params.top_logprobs for r in sampled)
+        if isinstance(out, VerifyOutput):
+            self._record_verify(reqs, out, top_n)
+            return
+        tokens, chosen, top_ids, top_vals = out.to_host(top_n)
         for i, req in enumerate(reqs):
-            if req not in sampled:
-                continue
-            tok = tokens[i]
-            req.output.append(tok)
-            if req.params.logprobs:
-                req.logprobs.append(chosen[i])
-            n = req.params.top_logprobs
-            if n:
-                req.top_logprobs.append(list(zip(top_ids[i][:n], top_vals[i][:n])))
-            if tok in req.stop_ids:
-                req.finish_reason = "stop"
-            elif len(req.output) >= req.params.max_new_tokens or len(req.prompt) + len(req.output) >= req.budget:
-                req.finish_reason = "length"
+            if req in sampled:
+                self._append(req, tokens[i], chosen[i], top_ids[i], top_vals[i])
+        if sampled is reqs:  # a decode step (a prefill samples only the rows whose prompt it completes)
+            self._count_decode(reqs, [1] * len(reqs), hidden=None)
+
+    def _record_verify(self, reqs: list[Request], out: VerifyOutput, top_n: int) -> None:
+        """Each row's accepted drafts and the target's own token after them, up to a stop or the length."""
+        accepted, flat = out.to_host(top_n)
+        T_d = self.num_speculative_tokens + 1
+        emitted = []
+        for i, req in enumerate(reqs):
+            req.spec_proposed += req.drafted
+            req.spec_accepted += min(accepted[i], req.drafted)
+            self.counters["spec_proposed"] += req.drafted
+            self.counters["spec_accepted"] += min(accepted[i], req.drafted)
+            n = 0
+            for j in range(i * T_d, i * T_d + accepted[i] + 1):
+                self._append(req, flat.tokens[j], flat.chosen_logprobs[j], flat.top_ids[j], flat.top_logprobs[j])
+                n += 1
+                if req.finish_reason is not None:
+                    break
+            emitted.append(n)
+        self.counters["verify_steps"] += 1
+        self._count_decode(reqs, emitted, out.hidden, verify=True)
+
+    def _count_decode(self, reqs: list[Request], emitted: list[int], hidden, verify: bool = False) -> None:
+        if not verify:
+            self.counters["decode_steps"] += 1
+        self.counters["row_steps"] += len(reqs)
+        self.counters["decode_tokens"] += sum(emitted)
+        if self.drafter is not None:
+            self.drafter.observe_tokens(reqs, emitted, hidden)
+
+    def _append(self, req: Request, tok: int, chosen: float, top_ids: list[int], top_vals: list[float]) -> None:
+        """One generated token; finishes the request on a stop token or at its length."""
+        req.output.append(tok)
+        if req.params.logprobs:
+            req.logprobs.append(chosen)
+        n = req.params.top_logprobs
+        if n:
+            req.top_logprobs.append(list(zip(top_ids[:n], top_vals[:n])))
+        if tok in req.stop_ids:
+            req.finish_reason = "stop"
+        elif len(req.output) >= req.params.max_new_tokens or len(req.prompt) + len(req.output) >= req.budget:
+            req.finish_reason = "length"
+
+    def stats(self) -> dict:
+        """Counters since start: decode and verify steps, tokens they yielded, and with speculative decoding
+        the drafts proposed and accepted (acceptance rate) and the mean tokens a request gains per step."""
+        with self._lock:
+            c = dict(self.counters)
+        stats = {"speculative": self.speculative, "num_speculative_tokens": self.num_speculative_tokens, **c,
+                 "acceptance_rate": c["spec_accepted"] / c["spec_proposed"] if c["spec_proposed"] else None,
+                 "mean_tokens_per_step": c["decode_tokens"] / c["row_steps"] if c["row_steps"] else None}
+        if self.prefix is not None:
+            stats.update(prefix_hits=self.prefix.hits, prefix_hit_tokens=self.prefix.hit_tokens)
+        return stats
 
     def _holds(self, req: Request) -> bool:
         """Whether the request holds a slot (it is prefilling or decoding)."""
@@ -517,6 +600,8 @@ class Engine:
     def _release(self, req: Request) -> None:
         (self.running if req in self.running else self.prefilling).remove(req)
         self.pool.free(req.request_id)
+        if self.drafter is not None:
+            self.drafter.release(req)
         if self.prefix is not None:
             self.prefix.release(req.prefix_entry)
             req.prefix_entry = None
@@ -526,7 +611,7 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, list(req.output),
                              list(req.logprobs) if req.params.logprobs else None,
                              list(req.top_logprobs) if req.params.top_logprobs else None, req.finish_reason, text,
-                             req.error, req.cached_tokens)
+                             req.error, req.cached_tokens, req.spec_proposed, req.spec_accepted)
 
     # ---- offline --------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """Where a token's keys and values sit in the KV caches: the formulas every writer and reader shares.
 
 Global layers keep K/V in pages of `page_size` rows, found through the slot's row of the block table;
-sliding layers keep a ring of the last `window` keys per slot, entry `pos % window`. The functions take
+sliding layers keep a ring of `ring_size` entries per slot, position `pos` at entry `pos % ring_size`. The
+ring is the window W, or W + K with K-token speculative verification: a verify step writes the keys of
+positions p..p+K before any of its queries reads, and the query at p still needs p-W+1 onwards. The functions take
 numpy arrays (metadata prep) and torch tensors (kernels) alike.
 """
 
@@ -18,6 +20,6 @@ def page_location(block_table, slot, pos, page_size: int):
     return block_table[slot, pos // page_size] * page_size + pos % page_size
 
 
-def ring_location(slot, pos, window: int):
+def ring_location(slot, pos, ring_size: int):
     """Row of position `pos` of the request in `slot` in a sliding layer's ring."""
-    return slot * window + pos % window
+    return slot * ring_size + pos % ring_size

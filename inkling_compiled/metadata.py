@@ -36,7 +36,8 @@ class PerToken(NamedTuple):
 class StepMetadata(msgspec.Struct):
     """What one forward needs to know about its batch. One object, refilled in place every step.
 
-    B rows (requests, padded to the bucket on the compiled path) and T tokens (T == B in decode).
+    B rows (requests, padded to the bucket on the compiled path) and T tokens (T == B in decode,
+    T == B * (draft_tokens + 1) in a speculative verify step, each row's tokens consecutive).
     Each tensor field says how its buffer is sized; the buffers are made from these annotations.
     """
 
@@ -56,6 +57,7 @@ class StepMetadata(msgspec.Struct):
     top_p: Annotated[torch.Tensor, PerRow(torch.float32)]
     seed: Annotated[torch.Tensor, PerRow(torch.int64)]  # 32-bit key mixed from the request's 64-bit seed
     sample_counter: Annotated[torch.Tensor, PerRow(torch.int64)]  # index of the token being generated
+    draft_tokens: int = 0  # K in a verify step (each row: its newest token, then K drafts); 0 otherwise
 
 
 BUFFER_SPECS: dict[str, PerRow | PerToken] = {
@@ -153,24 +155,33 @@ class StepBuffers:
     sees the same tensors (and addresses) every time it replays its bucket; all of it is marked static."""
 
     def __init__(self, config: InklingConfig, block_table_host: torch.Tensor, *, page_size: int,
-                 max_batch_size: int, max_tokens: int, device: torch.device | str = "cpu", staged: bool | None = None):
+                 max_batch_size: int, max_tokens: int, device: torch.device | str = "cpu", staged: bool | None = None,
+                 ring_size: int | None = None, draft_tokens: int = 0):
         self.page_size, self.window = page_size, config.sliding_window_size
+        self.ring_size = ring_size or self.window
         self.max_batch_size, self.max_tokens = max_batch_size, max(max_tokens, max_batch_size)
         self.device = torch.device(device)
         self.decode_region = FieldRegion(max_batch_size, max_batch_size, self.device, staged)
         self.prefill_region = FieldRegion(max_batch_size, self.max_tokens, self.device, staged)
+        self.draft_tokens = draft_tokens
+        self.verify_region = FieldRegion(max_batch_size, max_batch_size * (draft_tokens + 1), self.device, staged) \
+            if draft_tokens else None
         self.metadata = StepMetadata(is_decode=True, **self.decode_region.fields)
         # Set by a compiled decoder that serves many batch sizes with one graph: the slices of a batch
         # size in this range get a symbolic leading dimension. A range from 1 marks it unbacked (Dynamo
         # would otherwise specialise a size of one); from 2, dynamic with bounds.
         self.symbolic_batch: range | None = None
         self._decode_views: dict[int, dict[str, torch.Tensor]] = {}  # rows -> the fields of a decode step
+        self._verify_views: dict[int, dict[str, torch.Tensor]] = {}  # rows -> the fields of a verify step
         self._arange = np.arange(self.max_tokens + 1, dtype=np.int64)
         self._block_table = block_table_host.numpy()  # the pool's host mirror: shares its memory
         self._h = self.decode_region.host  # the host fields of the step being prepared
 
-    def _host(self, is_decode: bool) -> dict[str, np.ndarray]:
-        self._h = (self.decode_region if is_decode else self.prefill_region).writable()
+    def _region(self, kind: str) -> FieldRegion:
+        return {"decode": self.decode_region, "prefill": self.prefill_region, "verify": self.verify_region}[kind]
+
+    def _host(self, kind: str) -> dict[str, np.ndarray]:
+        self._h = self._region(kind).writable()
         return self._h
 
     def _check_bounds(self, rows: int, tokens: int) -> None:
@@ -180,22 +191,25 @@ class StepBuffers:
         if tokens > self.max_tokens:
             raise ValueError(f"step has {tokens} tokens; the metadata buffers were sized for max_tokens={self.max_tokens}")
 
-    def _publish(self, is_decode: bool, rows: int, tokens: int) -> StepMetadata:
+    def _publish(self, kind: str, rows: int, tokens: int) -> StepMetadata:
         """Copies the step's metadata to the device (if staged) and points the metadata at its fields."""
-        region = self.decode_region if is_decode else self.prefill_region
+        region = self._region(kind)
         region.publish(tokens)
-        views = self._decode_views.get(rows) if is_decode else None
+        kept = {"decode": self._decode_views, "verify": self._verify_views}.get(kind)
+        views = kept.get(rows) if kept is not None else None
         if views is None:
             views = {name: field[:rows + spec.extra if isinstance(spec, PerRow) else tokens]
                      for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
-            if is_decode:  # kept: a graph replays its bucket on these very tensors
-                self._decode_views[rows] = views
+            if kept is not None:  # kept: a graph replays its bucket on these very tensors
+                kept[rows] = views
                 for name, view in views.items():
                     mark_static(view)
                     spec = BUFFER_SPECS[name]
-                    self._mark_symbolic(view, rows, spec.extra if isinstance(spec, PerRow) else 0)
+                    if kind == "decode":  # verify graphs are static per bucket
+                        self._mark_symbolic(view, rows, spec.extra if isinstance(spec, PerRow) else 0)
         md = self.metadata
-        md.is_decode = is_decode
+        md.is_decode = kind == "decode"
+        md.draft_tokens = self.draft_tokens if kind == "verify" else 0
         for name, view in views.items():
             setattr(md, name, view)
         return md
@@ -222,7 +236,7 @@ class StepBuffers:
         outside `ring_kept` (those a longer prompt pushes out of the window before the step ends)."""
         h = self._h
         h["global_kv_loc"][:tokens] = page_location(self._block_table, slot, pos, self.page_size)
-        ring = ring_location(slot, pos, self.window)
+        ring = ring_location(slot, pos, self.ring_size)
         h["sliding_kv_loc"][:tokens] = ring if ring_kept is None else np.where(ring_kept, ring, -1)
 
     def prepare_decode(self, input_ids: list[int], slots: list[int], cached_lens: list[int],
@@ -231,7 +245,7 @@ class StepBuffers:
         padding: slot 0, position 0, and their writes land in slot 0 / page 0."""
         n, rows = len(slots), pad_to or len(slots)
         self._check_bounds(rows, rows)
-        h = self._host(True)
+        h = self._host("decode")
         for name, values in (("input_ids", input_ids), ("cache_indices", slots), ("positions", cached_lens)):
             h[name][:n] = values
             h[name][n:rows] = 0
@@ -242,7 +256,7 @@ class StepBuffers:
         h["last_token_index"][:rows] = self._arange[:rows]
         self._fill_kv_locations(rows, slot, pos)
         self._fill_sampling(sampling, rows)
-        return self._publish(True, rows, rows)
+        return self._publish("decode", rows, rows)
 
     def prepare_padding(self, rows: int) -> StepMetadata:
         """A decode step of padding rows only: what warm-up and capture run (only the dummies are written)."""
@@ -262,7 +276,7 @@ class StepBuffers:
         first = np.asarray(starts, dtype=np.int64)
         tokens = int(lens.sum())
         self._check_bounds(rows, tokens)
-        h = self._host(False)
+        h = self._host("prefill")
         packed_start = np.cumsum(lens) - lens
         row_of = np.repeat(self._arange[:rows], lens)
         pos = self._arange[:tokens] - packed_start[row_of] + first[row_of]
@@ -279,4 +293,42 @@ class StepBuffers:
         self._fill_kv_locations(tokens, np.asarray(slots, dtype=np.int64)[row_of], pos,
                                 ring_kept=pos >= seq_lens[row_of] - self.window)
         self._fill_sampling(sampling, rows)
-        return self._publish(False, rows, tokens)
+        return self._publish("prefill", rows, tokens)
+
+    def prepare_verify(self, tokens: list[list[int]], slots: list[int], cached_lens: list[int], limits: list[int],
+                       sampling: list[RowSampling], pad_to: int | None = None) -> StepMetadata:
+        """A speculative verify step: row i feeds tokens[i] (its newest token, then `draft_tokens` drafts) at
+        positions cached_lens[i].., continuing its slot's state without changing it. A token at or past
+        limits[i] (beyond the row's pages: what it predicts could never be emitted) writes its keys to the
+        dummy page, skips the ring and reads as if at position limits[i]-1, so nothing is read or written out
+        of the row's bounds. Padded rows are slot 0 at positions 0..K, as in decode."""
+        n, rows, T_d = len(slots), pad_to or len(slots), self.draft_tokens + 1
+        if not self.draft_tokens:
+            raise ValueError("these step buffers were made without draft tokens (draft_tokens=0): no verify steps")
+        self._check_bounds(rows, rows)
+        h = self._host("verify")
+        T = rows * T_d
+        h["input_ids"][:n * T_d] = [t for row in tokens for t in row]
+        h["input_ids"][n * T_d:T] = 0
+        for name, values in (("cache_indices", slots), ("positions", cached_lens)):
+            h[name][:n] = values
+            h[name][n:rows] = 0
+        slot, first = h["cache_indices"][:rows], h["positions"][:rows].copy()
+        limit = np.zeros(rows, dtype=np.int64)
+        limit[:n] = limits
+        limit[n:] = T_d  # a padded row writes only the dummies anyway
+        row_of = np.repeat(self._arange[:rows], T_d)
+        pos = first[row_of] + np.tile(self._arange[:T_d], rows)
+        writable = pos < limit[row_of]
+        h["positions"][:T] = np.minimum(pos, limit[row_of] - 1)
+        np.add(first, 1, out=h["seq_lens"][:rows], casting="unsafe")
+        h["query_start_loc"][:rows + 1] = self._arange[:rows + 1] * T_d
+        np.greater(slot, 0, out=h["has_initial_state"][:rows])
+        h["last_token_index"][:rows] = self._arange[:rows] * T_d + T_d - 1
+        self._fill_kv_locations(T, np.where(writable, slot[row_of], 0), np.where(writable, pos, 0), ring_kept=writable)
+        self._fill_sampling(sampling, rows)
+        return self._publish("verify", rows, T)
+
+    def prepare_verify_padding(self, rows: int) -> StepMetadata:
+        """A verify step of padding rows only (warm-up and capture)."""
+        return self.prepare_verify([], [], [], [], [], pad_to=rows)

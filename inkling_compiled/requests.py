@@ -30,6 +30,8 @@ class RequestOutput:
     text: str | None = None
     error: str | None = None  # why, when finish_reason == "error"
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)
+    spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding)
+    spec_accepted: int = 0  # of those, the ones the target accepted
 
     @property
     def finished(self) -> bool:
@@ -53,6 +55,9 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    drafted: int = 0  # real drafts in its row of the current verify step (the rest are stand-ins)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     def __post_init__(self):
         self.seed_key = seed_key(self.seed)

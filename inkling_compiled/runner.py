@@ -12,7 +12,7 @@ from .backend import StepBackend
 from .metadata import StepMetadata
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
-from .sampling import MAX_TOP_LOGPROBS, sample
+from .sampling import MAX_TOP_LOGPROBS, sample, verify_drafts
 
 
 class StepOutput(msgspec.Struct):
@@ -35,6 +35,35 @@ class StepOutput(msgspec.Struct):
         return [t for (t,) in tokens], [c for (c,) in chosen], top_ids, top_vals
 
 
+class VerifyOutput(msgspec.Struct):
+    """A verify step's result: row i emits tokens[i, :accepted[i] + 1]."""
+
+    tokens: torch.Tensor  # [B, K+1] int64
+    accepted: torch.Tensor  # [B] int64, drafts accepted
+    chosen_logprobs: torch.Tensor  # [B, K+1] fp32
+    top_ids: torch.Tensor  # [B, K+1, n]
+    top_logprobs: torch.Tensor  # [B, K+1, n]
+    hidden: torch.Tensor | None = None  # [B, K+1, H] final-normed hidden states, for drafters that read them
+
+    def to_host(self, top_n: int) -> tuple[list[int], StepOutput]:
+        """(accepted per row, the per-position outputs as a StepOutput over B*(K+1) rows on the host)."""
+        B, T_d = self.tokens.shape
+        flat = StepOutput(torch.cat([self.tokens, self.accepted[:, None]], 1).reshape(-1),
+                          torch.cat([self.chosen_logprobs, self.chosen_logprobs[:, :1]], 1).reshape(-1),
+                          torch.cat([self.top_ids, self.top_ids[:, :1]], 1).reshape(B * (T_d + 1), -1),
+                          torch.cat([self.top_logprobs, self.top_logprobs[:, :1]], 1).reshape(B * (T_d + 1), -1))
+        tokens, chosen, top_ids, top_vals = flat.to_host(top_n)  # one copy: accepted rides as a column
+        per_row = T_d + 1
+        accepted = tokens[T_d::per_row]
+        keep = [i for i in range(len(tokens)) if i % per_row != T_d]
+        return accepted, StepOutput(*([seq[i] for i in keep] for seq in (tokens, chosen, top_ids, top_vals)))
+
+
+def _top(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
+    return logprobs.gather(-1, tokens[:, None])[:, 0], top.indices, top.values
+
+
 def forward_step(model: InklingForCausalLM, backend: StepBackend) -> tuple[torch.Tensor, ...]:
     """The whole step as one function of the static buffers (what the compiled path captures)."""
     md: StepMetadata = backend.metadata
@@ -43,8 +72,22 @@ def forward_step(model: InklingForCausalLM, backend: StepBackend) -> tuple[torch
         hidden = hidden[md.last_token_index]
     logits = model.logits(hidden)
     tokens, logprobs = sample(logits, md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
-    top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], top.indices, top.values
+    return (tokens, *_top(tokens, logprobs))
+
+
+def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bool = False) -> tuple[torch.Tensor, ...]:
+    """A speculative verify step: the target over every row's K+1 tokens, then acceptance (`verify_drafts`).
+    The conv ops save each token's window and leave the slots alone; the commit comes after."""
+    md: StepMetadata = backend.metadata
+    T_d = md.draft_tokens + 1
+    hidden = model.hidden_states(md.input_ids, backend.context)
+    logits = model.logits(hidden)
+    B = logits.shape[0] // T_d
+    tokens, accepted, logprobs = verify_drafts(logits.view(B, T_d, -1), md.input_ids.view(B, T_d), md.temperature,
+                                               md.top_k, md.top_p, md.seed, md.sample_counter)
+    chosen, top_ids, top_vals = _top(tokens.reshape(-1), logprobs)
+    out = (tokens, accepted, chosen.view(B, T_d), top_ids.view(B, T_d, -1), top_vals.view(B, T_d, -1))
+    return (*out, hidden.view(B, T_d, -1)) if with_hidden else out
 
 
 _STEPS = itertools.count()
@@ -70,6 +113,22 @@ class DecodeStep(nn.Module):
         if self.instance < 0:  # never true: the comparison makes Dynamo guard on the instance number
             raise AssertionError(self.instance)
         return forward_step(self.model, self.backend)
+
+
+class VerifyStep(nn.Module):
+    """The verify step as a module for the compiler, like `DecodeStep`; one static graph per bucket."""
+
+    GUARDED_SOURCES = DecodeStep.GUARDED_SOURCES
+
+    def __init__(self, model: InklingForCausalLM, backend: StepBackend, with_hidden: bool = False):
+        super().__init__()
+        self.model, self.backend, self.with_hidden = model, backend, with_hidden
+        self.instance = next(_STEPS)
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        if self.instance < 0:  # never true: the comparison makes Dynamo guard on the instance number
+            raise AssertionError(self.instance)
+        return verify_step(self.model, self.backend, self.with_hidden)
 
 
 class EagerRunner:
@@ -102,13 +161,53 @@ class EagerRunner:
         with nvtx_range(f"decode {len(reqs)} rows (eager)"):
             return StepOutput(*forward_step(self.model, self.backend))
 
+    # ---- speculative decoding ------------------------------------------------------------------------
+
+    with_hidden = False  # whether verify steps hand back hidden states (a drafter that reads them)
+
+    def _prepare_verify(self, reqs, drafts: list[list[int]], pad_to: int | None = None) -> list[int]:
+        slots = [self.backend.pool.slot_of[r.request_id] for r in reqs]
+        with nvtx_range("prepare verify"):
+            self.backend.prepare_verify([[r.output[-1], *d] for r, d in zip(reqs, drafts)], slots,
+                                        [r.cached_len for r in reqs], [r.budget for r in reqs],
+                                        [r.sampling_row() for r in reqs], pad_to=pad_to)
+        return slots
+
+    def commit(self, slots: list[int], steps: torch.Tensor) -> None:
+        """Each verify row's slot takes the conv windows saved after its last accepted token (`steps`,
+        the accepted counts). Slot ids come from the caller's verify batch, never from the step buffers,
+        which the next prep may already have refilled."""
+        pool = self.backend.pool
+        with nvtx_range("commit conv windows"):
+            torch.ops.inkling.commit_conv_windows(
+                list(pool.conv.values()), list(pool.intermediate_conv_window.values()),
+                torch.tensor(slots, dtype=torch.int32).to(steps.device, non_blocking=True), steps[:len(slots)])
+
+    def _verify_chunk(self, reqs, drafts, run) -> VerifyOutput:
+        bucket = self._verify_bucket(len(reqs))
+        slots = self._prepare_verify(reqs, drafts, pad_to=bucket)
+        out = VerifyOutput(*(t[:len(reqs)] for t in run(bucket)))
+        self.commit(slots, out.accepted)  # before the next chunk's verify overwrites the saved windows
+        return out
+
+    def _verify_bucket(self, rows: int) -> int | None:
+        return None
+
+    @torch.inference_mode()
+    def verify(self, reqs, drafts: list[list[int]]) -> VerifyOutput:
+        """Checks `drafts[i]` (K tokens) after each request's newest token, commits what is accepted."""
+        with nvtx_range(f"verify {len(reqs)} rows (eager)"):
+            return self._verify_chunk(reqs, drafts, lambda _: verify_step(self.model, self.backend, self.with_hidden))
+
 
 class CompiledRunner(EagerRunner):
     """Decode through the compiled graph(s), one bucket per replay; prefill stays eager (its shapes vary)."""
 
-    def __init__(self, model: InklingForCausalLM, backend: StepBackend, decoder):
+    def __init__(self, model: InklingForCausalLM, backend: StepBackend, decoder, verifier=None):
         super().__init__(model, backend)
-        self.decoder = decoder
+        self.decoder, self.verifier = decoder, verifier
+        if verifier is not None:
+            self.with_hidden = verifier.step.with_hidden
 
     def decode(self, reqs) -> StepOutput:
         pool = self.backend.pool
@@ -124,3 +223,17 @@ class CompiledRunner(EagerRunner):
             with nvtx_range(f"replay bucket {bucket} ({len(chunk)} rows)"):
                 parts.append([t[: len(chunk)] for t in self.decoder.run(bucket)])
         return StepOutput(*(torch.cat(ts) for ts in zip(*parts)))
+
+    def _verify_bucket(self, rows: int) -> int:
+        return self.verifier.bucket_for(rows)
+
+    def verify(self, reqs, drafts: list[list[int]]) -> VerifyOutput:
+        parts = []
+        for start in range(0, len(reqs), self.verifier.largest):  # a batch over the largest bucket is split
+            chunk = reqs[start:start + self.verifier.largest]
+            with nvtx_range(f"verify replay ({len(chunk)} rows)"):
+                parts.append(self._verify_chunk(chunk, drafts[start:start + len(chunk)], self.verifier.run))
+        if len(parts) == 1:
+            return parts[0]
+        fields = [f for f in VerifyOutput.__struct_fields__ if getattr(parts[0], f) is not None]
+        return VerifyOutput(**{f: torch.cat([getattr(p, f) for p in parts]) for f in fields})

@@ -112,3 +112,52 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     tokens = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
     return tokens, logprobs
 
+
+
+def _per_token(row_values: torch.Tensor, tokens_per_row: int) -> torch.Tensor:
+    return row_values[:, None].expand(-1, tokens_per_row).reshape(-1)
+
+
+def verify_drafts(logits: torch.Tensor, inputs: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Acceptance of K drafts per row, as one program (it runs inside the compiled verify step).
+
+    logits [B, K+1, V] at each row's K+1 verify positions; inputs [B, K+1] the tokens fed in (the newest
+    token, then drafts d_1..d_K: position i's draft is d_{i+1}). Returns (tokens [B, K+1], accepted [B]
+    in 0..K, log-softmax [B*(K+1), V]): the row emits tokens[:accepted+1], the accepted drafts then one
+    token of the target's own.
+
+    Greedy rows accept a draft while it is the argmax, and take the argmax where they stop: exactly what
+    decoding one token at a time gives. Sampled rows use rejection sampling with the draft as a point
+    mass: position i accepts d with probability p_i(d) under the row's filtered target distribution
+    (temperature, top-k, top-p), and at the first rejection samples from p_i with d removed; with every
+    draft accepted the bonus is sampled from p_K. Each emitted token is then distributed as the target
+    says. Randomness is counter-based: position i's noise is that of token index counter + i, the accept
+    draw a column of its own (V), so a seeded request is reproducible whatever the batch.
+    """
+    B, T_d, V = logits.shape
+    flat = logits.reshape(B * T_d, V).float()
+    logprobs = torch.log_softmax(flat, dim=-1)
+    temperature_t = _per_token(temperature, T_d)
+    scaled = flat / temperature_t.clamp(min=1e-6)[:, None]
+    candidates = torch.ops.inkling.top_k_top_p(scaled, _per_token(top_k, T_d), _per_token(top_p, T_d))
+    probs = torch.softmax(candidates, dim=-1)
+    greedy = flat.argmax(dim=-1)
+
+    position = torch.arange(T_d, device=logits.device)
+    counters = (counter[:, None] + position).reshape(-1)
+    noise = uniform_noise(_per_token(seed, T_d), counters, V + 1)
+    has_draft = (position < T_d - 1)[None, :].expand(B, -1).reshape(-1)
+    draft = torch.cat([inputs[:, 1:], inputs[:, :1]], dim=1).reshape(-1)  # the last column is a stand-in
+    sampled_row = temperature_t > 0
+    accept = torch.where(sampled_row, noise[:, V] < probs.gather(1, draft[:, None])[:, 0], draft == greedy)
+    accept = (accept & has_draft).view(B, T_d)
+    accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # length of the leading accepted run
+
+    removed = has_draft[:, None] & (torch.arange(V, device=logits.device)[None, :] == draft[:, None])
+    residual = candidates.masked_fill(removed, float("-inf"))
+    gumbel = -torch.log(-torch.log(noise[:, :V]))
+    own = torch.where(sampled_row, (residual + gumbel).argmax(dim=-1), greedy).view(B, T_d)
+    tokens = torch.where(position[None, :] < accepted[:, None], draft.view(B, T_d), own)
+    return tokens, accepted, logprobs

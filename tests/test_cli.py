@@ -166,4 +166,4 @@ def test_roofline_prints_the_machine_and_each_batch_against_its_floor(capsys):
     for r in rows:
         mbytes, floor_ms, ms, ratio = float(r[3]), float(r[6]), float(r[7]), float(r[10])
         assert mbytes > 0 and floor_ms > 0 and ms > 0
-        assert ratio == pytest.approx(floor_ms / ms, rel=0.05, abs=0.01)
+        assert ratio == pytest.approx(floor_ms / ms, rel=0.05, abs=0.015)  # all three printed rounded

@@ -226,12 +226,14 @@ def _static_kind(t: torch.Tensor):
 def test_pool_and_metadata_are_marked_static_before_anything_compiles(checkpoint):
     """Explicit, not left to how Dynamo happens to treat tensors reached through a module: the pool,
     the block table and every metadata field (and each bucket's slices of them) are static inputs."""
-    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, progress=False)
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, progress=False,
+                                    speculative="ngram")
     buffers = engine.backend.buffers
     tensors = {f"pool[{i}]": t for i, t in enumerate(engine.pool.static_tensors())}
-    md = buffers.prepare_padding(3)
-    tensors.update({f"metadata.{n}": getattr(md, n) for n in md.__struct_fields__ if n != "is_decode"})
-    assert len(tensors) > 20
+    for kind, md in (("decode", buffers.prepare_padding(3)), ("verify", buffers.prepare_verify_padding(3))):
+        tensors.update({f"{kind} metadata.{n}": getattr(md, n) for n in md.__struct_fields__
+                        if isinstance(getattr(md, n), torch.Tensor)})
+    assert len(tensors) > 40
     assert [name for name, t in tensors.items() if _static_kind(t) is None] == []
 
 

@@ -56,7 +56,8 @@ def test_streams_are_allocated_only_for_the_layers_that_use_them():
     assert pool.conv["k_sliding"].shape == (2, 5, 2, 3 * 16)
     assert pool.conv["attn"].shape == (3, 5, 2, 48)
     assert pool.global_kv[0].shape == (1, 9 * 4, 2, 8)
-    assert pool.sliding_kv[0].shape == (2, 5 * 5, 3, 16)  # (slots + dummy) * window
+    # (slots + dummy) * ring, the ring one entry longer than the window of 5: a 2-token verify step
+    assert pool.ring_size == 6 and pool.sliding_kv[0].shape == (2, 5 * 6, 3, 16)
     assert pool.intermediate_conv_window["mlp"].shape == (3, 5, 2, 2, 48)
 
 
@@ -70,7 +71,7 @@ def test_slot_and_page_zero_are_never_handed_out():
 
 def test_allocation_clears_the_slot_and_fills_the_block_table():
     config, pool = tiny_pool()
-    W = config.sliding_window_size
+    W = pool.ring_size
     for t in list(pool.conv.values()) + pool.sliding_kv:
         t.fill_(7.0)
     slot = pool.allocate("a", 9)  # 3 pages of 4

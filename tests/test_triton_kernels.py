@@ -52,6 +52,27 @@ def close(got, want, dtype):
     return torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # one bf16 rounding of the result
 
 
+@pytest.mark.parametrize("K, D, T_d", [(3, 40, 2), (4, 200, 5)])
+def test_sconv_verify_and_commit(K, D, T_d):
+    g = torch.Generator().manual_seed(K + T_d)
+    state, w = strided_slots(randn(6, K - 1, D, g=g)), randn(D, K, g=g)
+    idx = ids([3, 1, 5, 0])  # a padded row on the dummy slot
+    x = randn(4 * T_d, D, g=g)
+    want_windows, got_windows = torch.zeros(6, T_d, K - 1, D, device=DEVICE), torch.zeros(6, T_d, K - 1, D, device=DEVICE)
+    before = state.clone()
+    want = KERNELS["sconv_verify"]["reference"](x, state, w, idx, want_windows)
+    got = CUDA["sconv_verify"](x, state, w, idx, got_windows)
+    assert torch.equal(state, before) and close(got, want, torch.float32)
+    assert torch.equal(got_windows, want_windows)
+    # the commit, over a pool stream of two layers, rows accepting different counts (and one skipped)
+    pools = [torch.stack([before, before + 1]) for _ in range(2)]
+    saved = torch.stack([got_windows, got_windows * 2])
+    slots, steps = ids([3, 1, 5]), ids([T_d - 1, 0, -1], dtype=torch.int64)
+    KERNELS["commit_conv_windows"]["reference"]([pools[0]], [saved], slots, steps)
+    CUDA["commit_conv_windows"]([pools[1]], [saved], slots, steps)
+    assert torch.equal(pools[0], pools[1]) and not torch.equal(pools[0][:, 3], torch.stack([before, before + 1])[:, 3])
+
+
 @pytest.mark.parametrize("K, D", [(3, 40), (4, 200)])
 def test_sconv_decode(K, D):
     g = torch.Generator().manual_seed(K)
@@ -211,8 +232,8 @@ class StubKernel:
         return lambda *args, **kwargs: None
 
 
-@pytest.mark.parametrize("op", ["sconv_decode", "sconv_extend", "kv_write", "paged_attention", "ring_attention",
-                                "moe_experts", "top_k_top_p"])
+@pytest.mark.parametrize("op", ["sconv_decode", "sconv_extend", "sconv_verify", "commit_conv_windows", "kv_write",
+                                "paged_attention", "ring_attention", "moe_experts", "top_k_top_p"])
 def test_launchers_never_look_at_their_data(op, monkeypatch):
     """Capturable means no host sync and nothing sized by data: each launcher, its kernels stubbed out,
     runs on fake tensors (which have no data to look at)."""
@@ -227,6 +248,9 @@ def test_launchers_never_look_at_their_data(op, monkeypatch):
         "sconv_decode": (torch.randn(2, 8, generator=g), state, w, torch.tensor([1, 0], **i32)),
         "sconv_extend": (torch.randn(5, 8, generator=g), state, w, torch.tensor([0, 2, 5], **i32),
                          torch.tensor([True, False]), torch.tensor([1, 2], **i32)),
+        "sconv_verify": (torch.randn(6, 8, generator=g), state, w, torch.tensor([1, 0], **i32), torch.zeros(4, 3, 2, 8)),
+        "commit_conv_windows": ([torch.randn(2, 4, 2, 8, generator=g)], [torch.randn(2, 4, 3, 2, 8, generator=g)],
+                                torch.tensor([1, 2], **i32), torch.tensor([0, 2])),
         "kv_write": (cache, cache.clone(), torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g),
                      torch.tensor([3, -1, 9])),
         "paged_attention": (torch.randn(2, 4, 8, generator=g), cache, cache.clone(), torch.randn(2, 4, 6, generator=g),

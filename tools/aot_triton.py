@@ -62,6 +62,10 @@ def sample_launches() -> list:
         gpu["sconv"].sconv_decode(torch.zeros(3, 40), state, w, torch.zeros(3, **i32))
         gpu["sconv"].sconv_extend(torch.zeros(5, 40), state, w, torch.tensor([0, 2, 5], **i32),
                                   torch.tensor([True, False]), torch.zeros(2, **i32))
+        windows = torch.zeros(4, 3, K - 1, 40)
+        gpu["sconv"].sconv_verify(torch.zeros(6, 40), state, w, torch.zeros(2, **i32), windows)
+        gpu["sconv"].commit_conv_windows([state[None]], [windows[None]], torch.zeros(2, **i32),
+                                         torch.zeros(2, dtype=torch.int64))
     for dtype in (torch.float32, torch.bfloat16):
         cache = torch.zeros(64, 2, 16, dtype=dtype)
         gpu["kv"].kv_write(cache, cache.clone(), torch.zeros(3, 2, 16, dtype=dtype), torch.zeros(3, 2, 16, dtype=dtype),

@@ -187,7 +187,7 @@ float fp32_dot(const float* a, const float* b, int64_t n);
 void fp32_axpy(float s, const float* x, float* y, int64_t n);
 
 // Where a decode row's keys are: global layers read pages through the block table, positions 0..pos;
-// sliding layers read the slot's ring of its last `window` keys, positions pos-window+1..pos.
+// sliding layers read positions pos-window+1..pos from the slot's ring (entry p % ring_size).
 struct PagedKeys {
   const int32_t* block_table;
   int64_t pages, page_size;
@@ -198,9 +198,9 @@ struct PagedKeys {
 };
 
 struct RingKeys {
-  int64_t window;
+  int64_t window, ring_size;  // the ring holds ring_size >= window entries per slot
   int64_t first(int64_t pos) const { return pos - window + 1 > 0 ? pos - window + 1 : 0; }
-  int64_t location(int64_t slot, int64_t p) const { return slot * window + p % window; }
+  int64_t location(int64_t slot, int64_t p) const { return slot * ring_size + p % ring_size; }
 };
 
 // x rounded to scalar_t and back (round to nearest even, as torch's .to(bf16)); the identity in fp32.
@@ -346,18 +346,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                           cache_indices, lens - 1, rel_extent, "paged_attention");
 }
 
-// Decode on a sliding layer: each row's slot keeps its last `window` keys in a ring (the current one
-// included, already written).
+// Decode on a sliding layer: each row's slot keeps its recent keys in a ring of ring_size >= window entries
+// (the current one included, already written).
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k_ring, const at::Tensor& v_ring,
                           const at::Tensor& table, const at::Tensor& positions, const at::Tensor& cache_indices,
-                          int64_t window, int64_t rel_extent) {
-  TORCH_CHECK(window >= 1 && k_ring.size(0) % window == 0, "ring_attention: rings of ", window, " keys expected");
+                          int64_t window, int64_t rel_extent, int64_t ring_size) {
+  const int64_t ring = ring_size > 0 ? ring_size : window;
+  TORCH_CHECK(window >= 1 && ring >= window && k_ring.size(0) % ring == 0, "ring_attention: rings of ", ring,
+              " keys (window ", window, ") expected");
   const auto slots = cache_indices.to(at::kLong).contiguous();
   for (int64_t b = 0; b < slots.numel(); ++b) {
     const int64_t slot = slots.data_ptr<int64_t>()[b];
-    TORCH_CHECK(slot >= 0 && (slot + 1) * window <= k_ring.size(0), "ring_attention: bad slot ", slot);
+    TORCH_CHECK(slot >= 0 && (slot + 1) * ring <= k_ring.size(0), "ring_attention: bad slot ", slot);
   }
-  return decode_attention(q, k_ring, v_ring, table, std::nullopt, RingKeys{window}, cache_indices, positions,
+  return decode_attention(q, k_ring, v_ring, table, std::nullopt, RingKeys{window, ring}, cache_indices, positions,
                           rel_extent, "ring_attention");
 }
 

@@ -48,9 +48,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tau_ptr, bt_ptr, idx_ptr, len_
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         jm = j < hi
-        if RING:
-            loc = slot * window + j
-            k_pos = q_pos - (q_pos - j) % window  # newest position stored in entry j
+        if RING:  # key j is position q_pos-n_keys+1+j, in ring entry position % ring size (page_size)
+            k_pos = q_pos - n_keys + 1 + j
+            loc = slot * page_size + k_pos % page_size
         else:
             page = tl.load(bt_ptr + slot * sbt + j // page_size, mask=jm, other=0).to(tl.int64)
             loc = page * page_size + j % page_size
@@ -135,7 +135,8 @@ def paged_attention(q, k_cache, v_cache, table, tau, block_table, cache_indices,
                    window=0, max_keys=block_table.shape[1] * page_size, ring=False, rel_extent=rel_extent)
 
 
-def ring_attention(q, k_ring, v_ring, table, positions, cache_indices, window: int, rel_extent: int) -> torch.Tensor:
-    """Signature and result of `attention.attend_ring`; reads the min(position+1, window) filled entries."""
-    return _attend(q, k_ring, v_ring, table, None, cache_indices, cache_indices, positions, page_size=1,
+def ring_attention(q, k_ring, v_ring, table, positions, cache_indices, window: int, rel_extent: int,
+                   ring_size: int = 0) -> torch.Tensor:
+    """Signature and result of `attention.attend_ring`; reads the min(position+1, window) newest positions."""
+    return _attend(q, k_ring, v_ring, table, None, cache_indices, cache_indices, positions, page_size=ring_size or window,
                    window=window, max_keys=window, ring=True, rel_extent=rel_extent)

@@ -122,3 +122,75 @@ def sconv_extend(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, que
                                        state.stride(0), state.stride(1), K=K, KP=triton.next_power_of_2(K),
                                        BLOCK=BLOCK_D)
     return y
+
+
+@triton.jit
+def _verify_kernel(x_ptr, state_ptr, w_ptr, idx_ptr, win_ptr, y_ptr, D, sx, ss_slot, ss_tap, sw, sy, sv_row, sv_step,
+                   sv_tap, T_D: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (row, token, channel block). Token t of row b sees the row's tokens before it and,
+    further back, the slot's window, which is only read; it saves the window after itself: entries
+    t+1..t+K-1 of [window ++ the row's tokens]."""
+    b, t = tl.program_id(0), tl.program_id(1)
+    d = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    dm = d < D
+    slot = tl.load(idx_ptr + b).to(tl.int64)
+    row0 = b * T_D
+    y = tl.load(x_ptr + (row0 + t) * sx + d, mask=dm, other=0.0).to(tl.float32) * tl.load(w_ptr + d * sw + (K - 1),
+                                                                                          mask=dm)
+    for back in tl.static_range(1, K):
+        src = t - back
+        inside = src >= 0
+        from_x = tl.load(x_ptr + (row0 + src) * sx + d, mask=dm & inside, other=0.0)
+        from_state = tl.load(state_ptr + slot * ss_slot + (K - 1 + src) * ss_tap + d, mask=dm & (src < 0), other=0.0)
+        y += tl.where(inside, from_x, from_state) * tl.load(w_ptr + d * sw + (K - 1 - back), mask=dm)
+    tl.store(y_ptr + (row0 + t) * sy + d, y.to(y_ptr.dtype.element_ty), mask=dm)
+    for w in tl.static_range(0, K - 1):
+        i = t + 1 + w  # index in [window ++ tokens]
+        from_state = tl.load(state_ptr + slot * ss_slot + i * ss_tap + d, mask=dm & (i < K - 1), other=0.0)
+        from_x = tl.load(x_ptr + (row0 + i - (K - 1)) * sx + d, mask=dm & (i >= K - 1), other=0.0)
+        tl.store(win_ptr + b * sv_row + t * sv_step + w * sv_tap + d, tl.where(i < K - 1, from_state, from_x), mask=dm)
+
+
+def sconv_verify(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cache_indices: torch.Tensor,
+                 windows: torch.Tensor, layer_id: int = -1, stream: int = -1) -> torch.Tensor:
+    """Signature and result of `sconv.sconv_verify_reference`."""
+    B, T_d, K, D = cache_indices.shape[0], windows.shape[1], weight.shape[1], x.shape[1]
+    y = torch.empty_like(x)
+    if B == 0:
+        return y
+    _check_channels(x, state, weight)
+    assert windows.stride(-1) == 1, "channels must be contiguous"
+    _verify_kernel[(B, T_d, triton.cdiv(D, BLOCK_D))](
+        x, state, weight, cache_indices, windows, y, D, x.stride(0), state.stride(0), state.stride(1),
+        weight.stride(0), y.stride(0), windows.stride(0), windows.stride(1), windows.stride(2), T_D=T_d, K=K,
+        BLOCK=BLOCK_D)
+    return y
+
+
+@triton.jit
+def _commit_kernel(state_ptr, win_ptr, slot_ptr, step_ptr, n, ss_layer, ss_slot, sv_layer, sv_row, sv_step,
+                   BLOCK: tl.constexpr):
+    """One program per (verify row, layer, block of the window's (K-1)*D contiguous values)."""
+    i, layer = tl.program_id(0), tl.program_id(1)
+    e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    step = tl.load(step_ptr + i).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    m = (e < n) & (step >= 0)
+    saved = tl.load(win_ptr + layer * sv_layer + i * sv_row + step * sv_step + e, mask=m, other=0.0)
+    tl.store(state_ptr + layer * ss_layer + slot * ss_slot + e, saved, mask=m)
+
+
+def commit_conv_windows(states: list[torch.Tensor], windows: list[torch.Tensor], slots: torch.Tensor,
+                        steps: torch.Tensor) -> None:
+    """Signature and effect of `sconv.commit_conv_windows_reference`: one launch per pool stream."""
+    rows = slots.shape[0]
+    if rows == 0:
+        return
+    for state, saved in zip(states, windows):
+        L, _, taps, D = state.shape
+        assert state.stride(-1) == 1 and state.stride(-2) == D and saved.stride(-1) == 1 and saved.stride(-2) == D, \
+            "each window must be one contiguous run of (K-1)*D values"
+        n = taps * D
+        _commit_kernel[(rows, L, triton.cdiv(n, BLOCK_D))](
+            state, saved, slots, steps, n, state.stride(0), state.stride(1), saved.stride(0), saved.stride(1),
+            saved.stride(2), BLOCK=BLOCK_D)

@@ -24,11 +24,12 @@ class UnitCosts:
     checkpoint: int  # bytes of one prefix-cache checkpoint (a slot's state)
 
     @classmethod
-    def of(cls, config: InklingConfig, page_size: int, dtype: torch.dtype) -> UnitCosts:
+    def of(cls, config: InklingConfig, page_size: int, dtype: torch.dtype, ring_size: int | None = None) -> UnitCosts:
         streams, K = StreamTable(config), config.conv_kernel_size
         conv = sum(len(layers) * (K - 1) * streams.widths[name] * 4 for name, layers in streams.layers.items())
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        ring = 2 * len(streams.sliding_layers) * config.sliding_window_size * config.swa_num_key_value_heads \
+        ring_size = ring_size or config.sliding_window_size
+        ring = 2 * len(streams.sliding_layers) * ring_size * config.swa_num_key_value_heads \
             * config.swa_head_dim * itemsize
         page = 2 * len(streams.global_layers) * page_size * config.num_key_value_heads * config.head_dim * itemsize
         return cls(slot=conv + ring, page=page, checkpoint=conv + ring)

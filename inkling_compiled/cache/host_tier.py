@@ -25,7 +25,7 @@ from .pool import StatePool
 class HostCopy:
     kv: list[torch.Tensor] | None  # [k, v], each [global layers, page_size, nkv, hd]; None without a page
     conv: dict[str, torch.Tensor] | None  # pool stream -> [its layers, K-1, D]; None without a checkpoint
-    rings: list[torch.Tensor] | None  # [k, v], each [sliding layers, W, nkv, hd]
+    rings: list[torch.Tensor] | None  # [k, v], each [sliding layers, ring_size, nkv, hd]
 
     @property
     def nbytes(self) -> int:
@@ -41,23 +41,23 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 def host_nbytes(pool: StatePool, page: int | None, checkpoint: int | None) -> int:
     """What `copy_to_host` of this page and checkpoint would hold, without copying."""
-    ps, W = pool.page_size, pool.config.sliding_window_size
+    ps, R = pool.page_size, pool.ring_size
     size = 0
     if page is not None:
         size += sum(t[:, :ps].numel() * t.element_size() for t in pool.global_kv)
     if checkpoint is not None:
         size += sum(t[:, 0].numel() * t.element_size() for t in pool.conv_checkpoints.values())
-        size += sum(t[:, :W].numel() * t.element_size() for t in pool.ring_checkpoints)
+        size += sum(t[:, :R].numel() * t.element_size() for t in pool.ring_checkpoints)
     return size
 
 
 def copy_to_host(pool: StatePool, page: int | None, checkpoint: int | None) -> HostCopy:
-    ps, W = pool.page_size, pool.config.sliding_window_size
+    ps, R = pool.page_size, pool.ring_size
     kv = [_host(t[:, page * ps:(page + 1) * ps]) for t in pool.global_kv] if page is not None else None
     if checkpoint is None:
         return HostCopy(kv, None, None)
     conv = {name: _host(t[:, checkpoint]) for name, t in pool.conv_checkpoints.items()}
-    rings = [_host(t[:, checkpoint * W:(checkpoint + 1) * W]) for t in pool.ring_checkpoints]
+    rings = [_host(t[:, checkpoint * R:(checkpoint + 1) * R]) for t in pool.ring_checkpoints]
     return HostCopy(kv, conv, rings)
 
 
@@ -99,7 +99,7 @@ class HostLoad:
                 event.set()
 
     def copy_layer(self, layer: int) -> None:
-        pool, ps, W = self.pool, self.pool.page_size, self.pool.config.sliding_window_size
+        pool, ps, R = self.pool, self.pool.page_size, self.pool.ring_size
         sliding, index = pool.streams.kv_locate(layer)
         if not sliding:
             for host, page in self.pages:
@@ -114,8 +114,8 @@ class HostLoad:
             pool.conv[name][i, self.slot].copy_(host.conv[name][i])
         if sliding:
             for ring, saved_ring, saved in zip(pool.sliding_kv, pool.ring_checkpoints, host.rings):
-                saved_ring[index, checkpoint * W:(checkpoint + 1) * W].copy_(saved[index])
-                ring[index, self.slot * W:(self.slot + 1) * W].copy_(saved[index])
+                saved_ring[index, checkpoint * R:(checkpoint + 1) * R].copy_(saved[index])
+                ring[index, self.slot * R:(self.slot + 1) * R].copy_(saved[index])
 
     def wait_until(self, layer_id: int) -> None:
         self.done[layer_id].wait()

@@ -3,8 +3,8 @@
 Conv state, per pool stream, is `[L_s, S+1, K-1, D_s]` fp32 (the stream's layers only: k/v widths
 differ between sliding and global layers, so each has its own stream). Keys and values of global
 layers live in pages (`[L_g, pages*page_size, nkv, hd]`, page 0 the dummy) addressed through a
-per-slot block table; sliding layers keep a ring of their last W keys per slot
-(`[L_s, (S+1)*W, nkv, hd]`). Slot 0 and page 0 are never handed to a request.
+per-slot block table; sliding layers keep a ring of their recent keys per slot
+(`[L_s, (S+1)*R, nkv, hd]`, R = `ring_size`: the window W, plus K with K-token speculative verification). Slot 0 and page 0 are never handed to a request.
 
 The pool only stores: it hands out slots and pages, clears a slot's conv state on allocation and
 answers `layer_index`; everything per step lives in the step backend. Which layers each conv stream
@@ -43,12 +43,13 @@ class StatePool:
             s: torch.zeros(t.shape[0], S + 1, spec_draft_tokens, K - 1, t.shape[-1], dtype=torch.float32, device=device)
             for s, t in self.conv.items()}
 
-        W = config.sliding_window_size
+        # A verify step writes K+1 keys before it reads: the ring keeps K more than the window.
+        self.ring_size = R = config.sliding_window_size + max(spec_draft_tokens - 1, 0)
         g_kv = (config.num_key_value_heads, config.head_dim)
         s_kv = (config.swa_num_key_value_heads, config.swa_head_dim)
         self.global_kv = [torch.zeros(len(self.global_layers), num_pages * page_size, *g_kv, dtype=dtype, device=device)
                           for _ in range(2)] if self.global_layers else []
-        self.sliding_kv = [torch.zeros(len(self.sliding_layers), (S + 1) * W, *s_kv, dtype=dtype, device=device)
+        self.sliding_kv = [torch.zeros(len(self.sliding_layers), (S + 1) * R, *s_kv, dtype=dtype, device=device)
                            for _ in range(2)] if self.sliding_layers else []
         # Prefix-cache checkpoints: a slot's whole per-request state at a page boundary (every conv
         # window, every sliding ring), kept so that a request starting with that prefix resumes from it.
@@ -57,7 +58,7 @@ class StatePool:
         rows = C + 1 if C else 0
         self.conv_checkpoints = {name: torch.zeros(t.shape[0], rows, *t.shape[2:], dtype=t.dtype, device=device)
                                  for name, t in self.conv.items()}
-        self.ring_checkpoints = [torch.zeros(t.shape[0], rows * W, *t.shape[2:], dtype=t.dtype, device=device)
+        self.ring_checkpoints = [torch.zeros(t.shape[0], rows * R, *t.shape[2:], dtype=t.dtype, device=device)
                                  for t in self.sliding_kv]
         self.block_table = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32, device=device)
         self.block_table_host = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32)  # mirror for prep
@@ -109,9 +110,9 @@ class StatePool:
         self.block_table[slot].copy_(row)
         for t in self.conv.values():
             t[:, slot].zero_()
-        W = self.config.sliding_window_size
+        R = self.ring_size
         for t in self.sliding_kv:
-            t[:, slot * W:(slot + 1) * W].zero_()
+            t[:, slot * R:(slot + 1) * R].zero_()
         return slot
 
     def free(self, request_id: str) -> None:
@@ -138,9 +139,9 @@ class StatePool:
         its own to change, the checkpoint stays for the next hit)."""
         for name, t in self.conv.items():
             t[:, slot] = self.conv_checkpoints[name][:, checkpoint]
-        W = self.config.sliding_window_size
+        R = self.ring_size
         for ring, saved in zip(self.sliding_kv, self.ring_checkpoints):
-            ring[:, slot * W:(slot + 1) * W] = saved[:, checkpoint * W:(checkpoint + 1) * W]
+            ring[:, slot * R:(slot + 1) * R] = saved[:, checkpoint * R:(checkpoint + 1) * R]
 
     # ---- layer lookup ---------------------------------------------------------------------------
 

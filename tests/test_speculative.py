@@ -1,0 +1,348 @@
+"""Speculative decoding: verify ops and commit, acceptance (greedy exact, sampling in distribution),
+drafters, and the engine against transformers and against itself without speculation."""
+
+import numpy as np
+import pytest
+import torch
+
+from inkling_compiled.engine import Engine
+from inkling_compiled.errors import OptionError
+from inkling_compiled.sampling import SamplingParams, verify_drafts
+from inkling_compiled.speculative import Drafter, NgramDrafter
+from inkling_compiled.streams import MODEL_STREAMS
+
+from conftest import random_prompt
+
+GREEDY = SamplingParams(max_new_tokens=14, logprobs=True, ignore_eos=True)
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes each request's known greedy continuation with the draft at index `miss(req, step)` made
+    wrong, so a row accepts exactly that many drafts: rows of one step accept different counts."""
+
+    def __init__(self, continuations: dict[tuple, list[int]], miss):
+        self.continuations, self.miss, self.steps = continuations, miss, 0
+
+    def propose(self, reqs):
+        self.steps += 1
+        drafts = []
+        for row, req in enumerate(reqs):
+            known = self.continuations[tuple(req.prompt)]
+            draft = list(known[len(req.output):len(req.output) + self.num_tokens])
+            draft += [3] * (self.num_tokens - len(draft))
+            wrong = self.miss(row, self.steps)
+            if wrong < self.num_tokens:
+                draft[wrong] = (draft[wrong] + 1) % 250 + 3
+            drafts.append(draft)
+        return drafts
+
+
+def engine_for(checkpoint, name="tiny", **kw):
+    return Engine.from_pretrained(checkpoint(name), compile=kw.pop("compile", False), progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(checkpoint):
+    """Non-speculative greedy outputs (eager), per config and prompt."""
+    engines, cache = {}, {}
+
+    def get(name, prompts, params=GREEDY):
+        key = (name, tuple(map(tuple, prompts)), params)
+        if key not in cache:
+            engine = engines.setdefault(name, engine_for(checkpoint, name, max_batch_size=8, max_model_len=128))
+            cache[key] = engine.generate(prompts, params)
+        return cache[key]
+
+    return get
+
+
+# ---- ops ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("K", [3, 4])
+def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K):
+    """sconv_verify leaves the slots alone and saves each token's window; committing step s gives the state
+    that decoding tokens 0..s one at a time leaves (bit for bit), whatever each row accepted."""
+    g = torch.Generator().manual_seed(0)
+    T_d, D, slots = 4, 6, 6
+    state = torch.randn(slots, K - 1, D, generator=g)
+    weight = torch.randn(D, K, generator=g)
+    rows = torch.tensor([3, 1, 5, 2], dtype=torch.int32)
+    x = torch.randn(len(rows) * T_d, D, generator=g)
+    windows = torch.zeros(slots, T_d, K - 1, D)
+    before = state.clone()
+    y = torch.ops.inkling.sconv_verify(x, state, weight, rows, windows)
+    assert torch.equal(state, before)
+
+    decoded = state.clone()
+    want_y, want_windows = [], []
+    for t in range(T_d):
+        want_y.append(torch.ops.inkling.sconv_decode(x.view(len(rows), T_d, D)[:, t].contiguous(), decoded, weight, rows))
+        want_windows.append(decoded[rows.long()].clone())
+    assert torch.allclose(y.view(len(rows), T_d, D), torch.stack(want_y, 1), atol=1e-6)
+
+    steps = torch.tensor([0, 3, -1, 1])  # rows accept 0, 3, (finished: left alone), 1 drafts
+    pool = torch.stack([state.clone(), state.clone()])  # a pool stream of two layers
+    saved = torch.stack([windows, windows])
+    torch.ops.inkling.commit_conv_windows([pool], [saved], rows, steps)
+    for i, (slot, step) in enumerate(zip(rows.tolist(), steps.tolist())):
+        want = before[slot] if step < 0 else want_windows[step][i]
+        assert torch.equal(pool[0, slot], want) and torch.equal(pool[1, slot], want)
+    untouched = [s for s in range(1, slots) if s not in rows.tolist()]
+    assert torch.equal(pool[0, untouched], before[untouched])
+
+
+@pytest.mark.parametrize("kernel", ["op", "reference"])
+def test_ring_larger_than_the_window_reads_the_window(kernel):
+    """A ring of W+K entries (speculative verify) still attends over exactly the last W positions: the
+    same result as a ring of W entries holding the same keys."""
+    from inkling_compiled.custom_ops import KERNELS
+
+    attend_ring = {"op": torch.ops.inkling.ring_attention.default, **KERNELS["ring_attention"]}[kernel]
+    g = torch.Generator().manual_seed(1)
+    W, R, slots, n = 4, 7, 3, 20
+    keys, values = torch.randn(n, 1, 4, generator=g), torch.randn(n, 1, 4, generator=g)
+    positions = torch.tensor([2, 9, 17])
+    q, table = torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, W, generator=g)
+    cache_indices = torch.tensor([1, 2, 1], dtype=torch.int32)
+    outs = []
+    for size in (W, R):
+        rings = [torch.zeros(slots * size, 1, 4), torch.zeros(slots * size, 1, 4)]
+        for row in range(3):
+            slot, pos = cache_indices[row].item(), positions[row].item()
+            for p in range(max(0, pos - size + 1), pos + 1):  # what a ring of `size` holds at `pos`
+                rings[0][slot * size + p % size] = keys[p]
+                rings[1][slot * size + p % size] = values[p]
+            outs.append(attend_ring(q[row:row + 1], *rings, table[row:row + 1], positions[row:row + 1],
+                                    cache_indices[row:row + 1], W, W, size))
+    for row in range(3):
+        assert torch.allclose(outs[row], outs[3 + row], atol=1e-6)
+
+
+# ---- acceptance ---------------------------------------------------------------------------------------
+
+def test_greedy_acceptance_is_the_longest_matching_prefix_plus_the_argmax():
+    g = torch.Generator().manual_seed(2)
+    B, K, V = 6, 3, 9
+    logits = torch.randn(B, K + 1, V, generator=g)
+    argmax = logits.argmax(-1)
+    inputs = torch.randint(0, V, (B, K + 1), generator=g)
+    for row in range(B):  # row r: its first min(r, K) drafts right, the next one wrong
+        for i in range(K):
+            inputs[row, i + 1] = argmax[row, i] if i < row else (argmax[row, i] + 1) % V
+    zeros = torch.zeros(B)
+    tokens, accepted, _ = verify_drafts(logits, inputs, zeros, torch.zeros(B, dtype=torch.long), torch.ones(B),
+                                        torch.arange(B), torch.zeros(B, dtype=torch.long))
+    assert accepted.tolist() == [min(r, K) for r in range(B)]
+    for row in range(B):
+        a = accepted[row].item()
+        assert tokens[row, :a + 1].tolist() == argmax[row, :a + 1].tolist()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.7)])
+def test_rejection_sampling_keeps_the_target_distribution(top_k, top_p):
+    """Over many seeds, the first emitted token follows the filtered target distribution p_0, and where the
+    draft was accepted the next token follows p_1 (chi-square, 0.1% level), whatever the draft."""
+    n, V = 6000, 5
+    logits = torch.tensor([[1.5, 0.5, 0.0, -0.5, -1.0], [0.0, 1.0, 0.2, -0.3, 0.6], [0.3] * 5])
+    temperature = 0.8
+    inputs = torch.tensor([7 % V, 0, 1]).repeat(n, 1)  # draft 0 for position 0 (likely), 1 for position 1
+    ones = torch.ones(n)
+    tokens, accepted, _ = verify_drafts(logits.repeat(n, 1, 1), inputs, ones * temperature,
+                                        torch.full((n,), top_k), ones * top_p, torch.arange(n) * 7919,
+                                        torch.full((n,), 5))
+
+    def target(row):
+        from inkling_compiled.custom_ops.sampling import filter_rows
+
+        scaled = (logits[row] / temperature)[None]
+        return torch.softmax(filter_rows(scaled, torch.tensor([top_k]), torch.tensor([top_p])), -1)[0]
+
+    def chi_square_ok(samples, p):
+        counts = torch.bincount(samples, minlength=V).float()
+        keep = p > 0
+        assert counts[~keep].sum() == 0, "a token outside the filtered support was emitted"
+        expected = p[keep] * samples.numel()
+        stat = ((counts[keep] - expected) ** 2 / expected).sum().item()
+        return stat < 18.47  # chi-square 0.999 quantile, 4 degrees of freedom (fewer where filtered)
+
+    assert chi_square_ok(tokens[:, 0], target(0))
+    took_draft = accepted >= 1
+    assert 0 < took_draft.sum() < n
+    assert chi_square_ok(tokens[took_draft, 1], target(1))
+
+
+def test_same_seed_same_speculative_tokens_whatever_the_batch(checkpoint):
+    engine = engine_for(checkpoint, max_batch_size=4, speculative="ngram", num_speculative_tokens=2)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, seed=1234, ignore_eos=True)
+    alone = engine.generate([prompt], params)[0].token_ids
+    crowd = engine.generate([random_prompt(9, seed=1), prompt, random_prompt(4, seed=2)],
+                            [SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True), params,
+                             SamplingParams(max_new_tokens=5, ignore_eos=True)])
+    assert crowd[1].token_ids == alone
+
+
+# ---- drafters -----------------------------------------------------------------------------------------
+
+def test_ngram_lookup_against_a_plain_loop():
+    rng = np.random.default_rng(3)
+    drafter = NgramDrafter(num_tokens=3, max_ngram=3, min_ngram=1)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, size=rng.integers(1, 14)).tolist()
+        want = None
+        for n in range(min(3, len(tokens) - 1), 0, -1):  # longest suffix first, its latest earlier match
+            starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+            if starts:
+                want = tokens[starts[-1] + n:starts[-1] + n + 3]
+                break
+        assert drafter.lookup(np.array(tokens)) == want, tokens
+
+
+def test_speculative_options_are_checked(checkpoint):
+    with pytest.raises(OptionError, match="speculative"):
+        engine_for(checkpoint, speculative="eagle")
+    with pytest.raises(OptionError, match="num_speculative_tokens"):
+        engine_for(checkpoint, speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(OptionError, match="num_speculative_tokens"):
+        engine_for(checkpoint, speculative="ngram", num_speculative_tokens=99)
+
+
+# ---- the engine ---------------------------------------------------------------------------------------
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], random_prompt(7, seed=11), random_prompt(19, seed=12),
+           [40, 41, 40, 41, 40, 41, 40]]
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("name", ["tiny", "tiny-k3"])
+def test_ngram_greedy_equals_plain_decoding_and_transformers(K, name, checkpoint, plain_outputs, hf_greedy):
+    engine = engine_for(checkpoint, name, max_batch_size=4, max_model_len=128, speculative="ngram",
+                        num_speculative_tokens=K)
+    outs = engine.generate(PROMPTS, GREEDY)
+    for prompt, out, plain in zip(PROMPTS, outs, plain_outputs(name, PROMPTS)):
+        assert out.token_ids == plain.token_ids
+        assert max(abs(a - b) for a, b in zip(out.logprobs, plain.logprobs)) < 1e-4
+        assert out.token_ids == hf_greedy(name, prompt, GREEDY.max_new_tokens)[0]
+    stats = engine.stats()
+    assert stats["verify_steps"] > 0 and stats["spec_proposed"] == sum(o.spec_proposed for o in outs) > 0
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_rows_accepting_different_counts_stay_exact(K, checkpoint, plain_outputs, hf_greedy):
+    """A drafter that knows the answer but misses at a different index in each row and step: acceptance
+    covers every count 0..K in one batch, and the state the commits leave keeps decoding exact."""
+    prompts = [random_prompt(5 + 3 * i, seed=20 + i) for i in range(4)]
+    want = plain_outputs("tiny", prompts)
+    drafter = ScriptedDrafter({tuple(p): o.token_ids for p, o in zip(prompts, want)},
+                              miss=lambda row, step: (row + step) % (K + 1))
+    engine = engine_for(checkpoint, max_batch_size=4, max_model_len=128, speculative=drafter, num_speculative_tokens=K)
+    outs = engine.generate(prompts, GREEDY)
+    for prompt, out, plain in zip(prompts, outs, want):
+        assert out.token_ids == plain.token_ids == hf_greedy("tiny", prompt, GREEDY.max_new_tokens)[0]
+        assert out.spec_accepted > 0 and out.spec_accepted < out.spec_proposed
+    stats = engine.stats()
+    assert stats["mean_tokens_per_step"] > 1.0
+
+
+def test_stops_and_length_inside_an_accepted_run(checkpoint, plain_outputs):
+    """All drafts right: a stop token or max_new_tokens in the middle of an accepted run ends the request
+    there, never past it."""
+    prompts = [random_prompt(6 + i, seed=30 + i) for i in range(3)]
+    long = plain_outputs("tiny", prompts)
+    drafter = ScriptedDrafter({tuple(p): o.token_ids for p, o in zip(prompts, long)}, miss=lambda row, step: 99)
+    engine = engine_for(checkpoint, max_batch_size=4, max_model_len=128, speculative=drafter, num_speculative_tokens=4)
+    stop = long[0].token_ids[6]
+    params = [SamplingParams(max_new_tokens=14, stop_token_ids=(stop,), ignore_eos=True),
+              SamplingParams(max_new_tokens=7, ignore_eos=True), SamplingParams(max_new_tokens=3, ignore_eos=True)]
+    outs = engine.generate(prompts, params)
+    first_stop = long[0].token_ids.index(stop)
+    assert outs[0].token_ids == long[0].token_ids[:first_stop + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == long[1].token_ids[:7] and outs[1].finish_reason == "length"
+    assert outs[2].token_ids == long[2].token_ids[:3]
+    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+
+
+def test_continuous_batching_staggered_arrivals_and_aborts(checkpoint, plain_outputs):
+    prompts = [random_prompt(4 + 3 * i, seed=40 + i) for i in range(8)]
+    want = plain_outputs("tiny", prompts)
+    drafter = ScriptedDrafter({tuple(p): o.token_ids for p, o in zip(prompts, want)}, miss=lambda row, step: step % 3)
+    engine = engine_for(checkpoint, max_batch_size=3, max_model_len=128, speculative=drafter, num_speculative_tokens=2)
+    final, rids, victim = {}, {}, None
+    for step in range(200):
+        if step < 8:
+            rids[engine.add_request(prompts[step], GREEDY)] = step
+            victim = victim or (next(iter(rids)) if step == 2 else None)
+        if step == 4:
+            engine.abort(victim)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if len(final) == 8 and not engine.has_unfinished():
+            break
+    assert final[victim].finish_reason == "abort"
+    for rid, i in rids.items():
+        if rid != victim:
+            assert final[rid].token_ids == want[i].token_ids
+    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+
+
+def test_commit_takes_slots_from_the_verify_batch_not_the_step_buffers(checkpoint):
+    """The commit's slot ids are the verify batch's: refilling the step buffers for another batch in between
+    (as the next step's prep does) changes nothing."""
+    engine = engine_for(checkpoint, max_batch_size=4, max_model_len=64, speculative="ngram", num_speculative_tokens=2)
+    for i in range(4):
+        engine.add_request(random_prompt(5 + i, seed=50 + i), SamplingParams(max_new_tokens=20, ignore_eos=True))
+    engine.step()  # prefill: all four decode from the next step on
+    reqs = list(engine.running)
+    runner, pool = engine.runner, engine.pool
+    verify_rows, others = reqs[:2], reqs[2:]
+    slots = runner._prepare_verify(verify_rows, [[3, 4], [5, 6]])
+    with torch.inference_mode():
+        from inkling_compiled.runner import verify_step
+        out = verify_step(engine.model, engine.backend)
+    before = {name: t.clone() for name, t in pool.conv.items()}
+    engine.backend.prepare_decode([r.output[-1] for r in others], [pool.slot_of[r.request_id] for r in others],
+                                  [r.cached_len for r in others], [r.sampling_row() for r in others])
+    steps = torch.tensor([2, 0])
+    runner.commit(slots, steps)
+    for name, t in pool.conv.items():
+        windows = pool.intermediate_conv_window[name]
+        for row, slot in enumerate(slots):
+            assert torch.equal(t[:, slot], windows[:, row, steps[row]])
+        for req in others:
+            slot = pool.slot_of[req.request_id]
+            assert torch.equal(t[:, slot], before[name][:, slot])
+    assert out[0].shape == (2, 3)
+
+
+def test_every_layer_and_stream_commits(checkpoint):
+    """After one verify step whose rows accept 0, 1 and 2 drafts, every (layer, stream) window of each row's
+    slot equals the one plain decoding leaves after the same tokens. (The verify forward runs its
+    projections over more rows than decode, so the activations, and with them the windows, may differ in
+    the last bits; the op-level test above checks the commit itself bit for bit.)"""
+    prompts = [random_prompt(6 + i, seed=60 + i) for i in range(3)]
+    plain = engine_for(checkpoint, max_batch_size=3, max_model_len=64)
+    want = plain.generate(prompts, GREEDY)
+    snapshots = []  # after s plain decode steps: request index -> {pool stream: windows of its slot}
+    for p in prompts:
+        plain.add_request(p, GREEDY)
+    for _ in range(4):
+        plain.step()
+        slots = {prompts.index(r.prompt): plain.pool.slot_of[r.request_id] for r in plain.running}
+        snapshots.append({i: {name: t[:, slot].clone() for name, t in plain.pool.conv.items()}
+                          for i, slot in slots.items()})
+    drafter = ScriptedDrafter({tuple(p): o.token_ids for p, o in zip(prompts, want)}, miss=lambda row, step: row)
+    spec = engine_for(checkpoint, max_batch_size=3, max_model_len=64, speculative=drafter, num_speculative_tokens=2)
+    for p in prompts:
+        spec.add_request(p, GREEDY)
+    spec.step()  # prefill
+    spec.step()  # one verify: rows emit 1, 2 and 3 tokens
+    for row, req in enumerate(spec.running):
+        i = prompts.index(req.prompt)
+        assert len(req.output) == 2 + row and req.output == want[i].token_ids[:2 + row]
+        slot = spec.pool.slot_of[req.request_id]
+        for layer in range(spec.config.num_hidden_layers):
+            for stream in MODEL_STREAMS:
+                name, index = spec.pool.layer_index(layer, stream)
+                got, expected = spec.pool.conv[name][index, slot], snapshots[row + 1][i][name][index]
+                assert torch.allclose(got, expected, atol=1e-5), (layer, stream, row)
