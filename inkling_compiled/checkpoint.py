@@ -4,7 +4,11 @@ Layouts (see docs in README):
 - transformers names (`model.layers.{i}.self_attn.q_proj.weight`, ...), optionally under
   `model.language_model.` as the multimodal transformers class saves them;
 - original names under `model.llm.` with row-interleaved fused gate/up tensors. Tensors of the
-  vision and audio towers and the MTP head are skipped with a one-line report.
+  vision and audio towers are skipped with a one-line report, and so is the MTP head unless asked for.
+
+The MTP head (`model.mtp.`) has the same two layouts: each depth's `hidden_norm`, `embed_norm`,
+`input_proj` and decoder layer, `model.mtp.layers.{i}.block.<transformers layer names>` here and
+`model.mtp.layers.{i}.transformer_block.<original layer names>` in the original, plus `model.mtp.chain_norm`.
 
 Tensors are read one at a time from memory-mapped files and handed straight to the model
 (`load_state_dict(assign=True)`), so at no point are two copies of the weights alive.
@@ -37,9 +41,10 @@ OTHER_TOWERS = {
 }
 
 
-def expected_shapes(config: InklingConfig) -> dict[str, tuple[int, ...]]:
-    """Every text-tower tensor in transformers names, with the shape the config implies."""
-    H, K, V = config.hidden_size, config.conv_kernel_size, config.vocab_size
+def expected_shapes(config: InklingConfig, mtp_depths: int = 0) -> dict[str, tuple[int, ...]]:
+    """Every text-tower tensor in transformers names, with the shape the config implies; with mtp_depths,
+    also the first that many depths of the MTP head."""
+    H, V = config.hidden_size, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (V, H),
         "model.embed_tokens.embed_norm.weight": (H,),
@@ -47,43 +52,61 @@ def expected_shapes(config: InklingConfig) -> dict[str, tuple[int, ...]]:
         "lm_head.weight": (V, H),
     }
     for i in range(config.num_hidden_layers):
-        g, p = config.geometry(i), f"model.layers.{i}."
+        shapes.update(_layer_shapes(config, i, f"model.layers.{i}."))
+    if mtp_depths:
+        from .mtp import mtp_block_config
+
+        block_config = mtp_block_config(config, mtp_depths)
+        for i in range(mtp_depths):
+            p = f"model.mtp.layers.{i}."
+            shapes.update({p + "hidden_norm.weight": (H,), p + "embed_norm.weight": (H,),
+                           p + "input_proj.weight": (H, 2 * H)})
+            shapes.update(_layer_shapes(block_config, i, p + "block."))
+        if config.chain_hidden_post_norm:
+            shapes["model.mtp.chain_norm.weight"] = (H,)
+    return shapes
+
+
+def _layer_shapes(config: InklingConfig, i: int, p: str) -> dict[str, tuple[int, ...]]:
+    """Decoder layer i of `config`, its tensors' names starting with p."""
+    H, K = config.hidden_size, config.conv_kernel_size
+    g = config.geometry(i)
+    shapes = {
+        p + "input_layernorm.weight": (H,),
+        p + "post_attention_layernorm.weight": (H,),
+        p + "self_attn.q_proj.weight": (g.q_width, H),
+        p + "self_attn.k_proj.weight": (g.kv_width, H),
+        p + "self_attn.v_proj.weight": (g.kv_width, H),
+        p + "self_attn.r_proj.weight": (g.num_heads * config.d_rel, H),
+        p + "self_attn.o_proj.weight": (H, g.q_width),
+        p + "self_attn.q_norm.weight": (g.head_dim,),
+        p + "self_attn.k_norm.weight": (g.head_dim,),
+        p + "self_attn.k_sconv.conv1d.weight": (g.kv_width, 1, K),
+        p + "self_attn.v_sconv.conv1d.weight": (g.kv_width, 1, K),
+        p + "self_attn.rel_logits_proj.proj": (config.d_rel, g.rel_extent),
+        p + "attn_sconv.conv1d.weight": (H, 1, K),
+        p + "mlp_sconv.conv1d.weight": (H, 1, K),
+    }
+    if config.is_sparse(i):
+        E, S, I = config.n_routed_experts, config.n_shared_experts, config.moe_intermediate_size
         shapes.update({
-            p + "input_layernorm.weight": (H,),
-            p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (g.q_width, H),
-            p + "self_attn.k_proj.weight": (g.kv_width, H),
-            p + "self_attn.v_proj.weight": (g.kv_width, H),
-            p + "self_attn.r_proj.weight": (g.num_heads * config.d_rel, H),
-            p + "self_attn.o_proj.weight": (H, g.q_width),
-            p + "self_attn.q_norm.weight": (g.head_dim,),
-            p + "self_attn.k_norm.weight": (g.head_dim,),
-            p + "self_attn.k_sconv.conv1d.weight": (g.kv_width, 1, K),
-            p + "self_attn.v_sconv.conv1d.weight": (g.kv_width, 1, K),
-            p + "self_attn.rel_logits_proj.proj": (config.d_rel, g.rel_extent),
-            p + "attn_sconv.conv1d.weight": (H, 1, K),
-            p + "mlp_sconv.conv1d.weight": (H, 1, K),
+            p + "mlp.gate.weight": (E + S, H),
+            p + "mlp.gate.global_scale": (1,),
+            p + "mlp.gate.e_score_correction_bias": (E,),
+            p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
+            p + "mlp.experts.down_proj": (E, H, I),
+            p + "mlp.shared_experts.gate_proj": (S, I, H),
+            p + "mlp.shared_experts.up_proj": (S, I, H),
+            p + "mlp.shared_experts.down_proj": (S, H, I),
         })
-        if config.is_sparse(i):
-            E, S, I = config.n_routed_experts, config.n_shared_experts, config.moe_intermediate_size
-            shapes.update({
-                p + "mlp.gate.weight": (E + S, H),
-                p + "mlp.gate.global_scale": (1,),
-                p + "mlp.gate.e_score_correction_bias": (E,),
-                p + "mlp.experts.gate_up_proj": (E, 2 * I, H),
-                p + "mlp.experts.down_proj": (E, H, I),
-                p + "mlp.shared_experts.gate_proj": (S, I, H),
-                p + "mlp.shared_experts.up_proj": (S, I, H),
-                p + "mlp.shared_experts.down_proj": (S, H, I),
-            })
-        else:
-            I = config.intermediate_size
-            shapes.update({
-                p + "mlp.gate_proj.weight": (I, H),
-                p + "mlp.up_proj.weight": (I, H),
-                p + "mlp.down_proj.weight": (H, I),
-                p + "mlp.global_scale": (1,),
-            })
+    else:
+        I = config.intermediate_size
+        shapes.update({
+            p + "mlp.gate_proj.weight": (I, H),
+            p + "mlp.up_proj.weight": (I, H),
+            p + "mlp.down_proj.weight": (H, I),
+            p + "mlp.global_scale": (1,),
+        })
     return shapes
 
 
@@ -127,6 +150,11 @@ _ORIGINAL_TOP = {
     "model.llm.unembed.weight": "lm_head.weight",
 }
 _ORIGINAL_LAYER = re.compile(r"model\.llm\.layers\.(\d+)\.(.+)")
+_ORIGINAL_MTP_LAYER = re.compile(r"model\.mtp\.layers\.(\d+)\.transformer_block\.(.+)")
+_MTP_DEPTH = re.compile(r"model\.mtp\.layers\.(\d+)\.")
+# Layer prefixes, transformers names -> original names (a decoder layer's tensors follow the tables above).
+_LAYER_PREFIXES = ((re.compile(r"model\.layers\.(\d+)\.(.+)"), "model.llm.layers.{}."),
+                   (re.compile(r"model\.mtp\.layers\.(\d+)\.block\.(.+)"), "model.mtp.layers.{}.transformer_block."))
 
 
 def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -149,10 +177,14 @@ def original_to_transformers(name: str) -> tuple[list[str], Callable[[torch.Tens
     """Maps one original-layout name to its transformers name(s) and the conversion; None if unknown."""
     if name in _ORIGINAL_TOP:
         return [_ORIGINAL_TOP[name]], lambda t: [t]
-    m = _ORIGINAL_LAYER.fullmatch(name)
-    if not m:
+    if m := _ORIGINAL_LAYER.fullmatch(name):
+        prefix, suffix = f"model.layers.{m.group(1)}.", m.group(2)
+    elif m := _ORIGINAL_MTP_LAYER.fullmatch(name):
+        prefix, suffix = f"model.mtp.layers.{m.group(1)}.block.", m.group(2)
+    elif name.startswith("model.mtp."):  # the depth's own norms and projection, the chain norm: same names
+        return [name], lambda t: [t]
+    else:
         return None
-    prefix, suffix = f"model.layers.{m.group(1)}.", m.group(2)
     if suffix in _ORIGINAL_RENAMES:
         return [prefix + _ORIGINAL_RENAMES[suffix]], lambda t: [t]
     if suffix in _ORIGINAL_INTERLEAVED:
@@ -168,21 +200,26 @@ def transformers_to_original(tensors: dict[str, torch.Tensor]) -> dict[str, torc
     out: dict[str, torch.Tensor] = {}
     top = {v: k for k, v in _ORIGINAL_TOP.items()}
     renames = {v: k for k, v in _ORIGINAL_RENAMES.items()}
+    layers: set[tuple[str, str]] = set()  # (transformers prefix, original prefix) of each layer
     for name, t in tensors.items():
         if name in top:
             out[top[name]] = t
             continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        assert m, name
-        prefix, suffix = f"model.llm.layers.{m.group(1)}.", m.group(2)
-        if suffix in renames:
-            out[prefix + renames[suffix]] = t
-    for i in {int(re.match(r"model\.layers\.(\d+)", n).group(1)) for n in tensors if n.startswith("model.layers.")}:
-        p = f"model.layers.{i}."
+        match = next(((m, original) for pattern, original in _LAYER_PREFIXES if (m := pattern.fullmatch(name))), None)
+        if match is None:
+            assert name.startswith("model.mtp."), name
+            out[name] = t
+            continue
+        m, original = match
+        prefix = original.format(m.group(1))
+        layers.add((name[:len(name) - len(m.group(2))], prefix))
+        if m.group(2) in renames:
+            out[prefix + renames[m.group(2)]] = t
+    for p, original in layers:
         for orig, (dim, targets) in _ORIGINAL_INTERLEAVED.items():
             parts = [tensors.get(p + x) for x in targets]
             if all(x is not None for x in parts):
-                out[f"model.llm.layers.{i}." + orig] = interleave(torch.cat(parts, dim=dim), dim)
+                out[original + orig] = interleave(torch.cat(parts, dim=dim), dim)
     return out
 
 
@@ -224,16 +261,17 @@ def iter_file_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], tor
             yield name, (lambda name=name, load=load: load(name))
 
 
-def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable[[str, torch.Tensor], torch.Tensor]
-                      ) -> tuple[dict[str, torch.Tensor], str | None]:
-    """Reads the text tower in transformers names, each tensor passed through `convert(name, t)`.
+def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable[[str, torch.Tensor], torch.Tensor],
+                      mtp_depths: int = 0) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Reads the text tower in transformers names, each tensor passed through `convert(name, t)`, and
+    the first `mtp_depths` depths of the MTP head (deeper ones are skipped like other towers).
 
     Returns the tensors and a one-line report of skipped tower tensors (None if nothing was
     skipped). Raises one CheckpointError that lists every missing, unexpected and mis-shaped tensor.
     """
     path = Path(path)
     files = checkpoint_files(path)
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, mtp_depths)
     out: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     bad_shape: list[str] = []
@@ -241,18 +279,22 @@ def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable
     skipped: Counter[str] = Counter()
 
     for name, load in iter_file_tensors(files):
-        tower = next((kind for prefix, kind in OTHER_TOWERS.items() if name.startswith(prefix)), None)
+        hf = name.replace("model.language_model.", "model.", 1)  # the multimodal class's prefix
+        tower = next((kind for prefix, kind in OTHER_TOWERS.items() if hf.startswith(prefix)), None)
+        if tower == "mtp" and mtp_depths:
+            depth = _MTP_DEPTH.match(hf)
+            tower = None if (int(depth.group(1)) < mtp_depths if depth else hf == "model.mtp.chain_norm.weight") \
+                else tower
         if tower:
             skipped[tower] += 1
             continue
-        if name.startswith("model.llm."):
-            mapped = original_to_transformers(name)
+        if hf.startswith("model.llm.") or hf.startswith("model.mtp."):
+            mapped = original_to_transformers(hf)
             if mapped is None:
                 unexpected.append(name)
                 continue
             targets, conversion = mapped
         else:
-            hf = name.replace("model.language_model.", "model.", 1)
             if hf not in expected:
                 unexpected.append(name)
                 continue

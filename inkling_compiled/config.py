@@ -41,6 +41,22 @@ _ALIASES = {
 }
 
 
+def _mtp_fields(block, raw: dict) -> dict[str, Any]:
+    """The MTP fields an original checkpoint keeps in its `mtp_config` block, in transformers' names
+    (fields the text config sets itself win). The head's sliding depths use the trunk's window."""
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise ConfigError(f"invalid Inkling config: mtp_config must be an object, got {block!r}")
+    extent = block.get("local_extent")
+    if extent is not None and extent != raw.get("sliding_window_size", InklingConfig.sliding_window_size):
+        raise ConfigError(f"mtp_config.local_extent={extent!r} differs from the trunk's sliding window; "
+                          "only the trunk's window is supported for the MTP head")
+    names = {"num_nextn_predict_layers": "num_mtp_layers", "chain_hidden_post_norm": "chain_hidden_post_norm",
+             "local_layer_ids": "mtp_local_layer_ids"}
+    return {ours: block[theirs] for theirs, ours in names.items() if theirs in block}
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerGeometry:
     """Attention shape of one layer; sliding and global layers differ."""
@@ -95,6 +111,11 @@ class InklingConfig:
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
     eos_token_id: int | None = 2
+    # The multi-token-prediction head (transformers' names; a checkpoint's `mtp_config` block fills them).
+    num_mtp_layers: int | None = None
+    chain_hidden_post_norm: bool = False
+    mtp_hidden_states_first: bool = True
+    mtp_local_layer_ids: tuple[int, ...] | None = None
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -102,6 +123,7 @@ class InklingConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "InklingConfig":
         """Accepts an `inkling_text` dict or an `inkling_mm_model` dict with a `text_config`."""
         model_type = raw.get("model_type")
+        mtp_block = raw.get("mtp_config")  # the original checkpoints' block, beside text_config if nested
         if model_type == MULTIMODAL_MODEL_TYPE:
             text = raw.get("text_config")
             if not isinstance(text, dict):
@@ -114,6 +136,7 @@ class InklingConfig:
                 f"or {MULTIMODAL_MODEL_TYPE!r} with a text_config"
             )
         raw = {_ALIASES.get(k, k): v for k, v in raw.items()}
+        raw = {**_mtp_fields(mtp_block if mtp_block is not None else raw.get("mtp_config"), raw), **raw}
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
         n = values.get("num_hidden_layers", cls.num_hidden_layers)
@@ -139,6 +162,8 @@ class InklingConfig:
             values["intermediate_size"] = raw["dense_intermediate_size"]
         values["layer_types"] = tuple(values["layer_types"])
         values["mlp_layer_types"] = tuple(values["mlp_layer_types"])
+        if isinstance(values.get("mtp_local_layer_ids"), list):
+            values["mtp_local_layer_ids"] = tuple(values["mtp_local_layer_ids"])
         try:
             config = cls(**values)
         except TypeError as e:  # pragma: no cover - dataclass signature mismatch
@@ -165,6 +190,8 @@ class InklingConfig:
         out = dataclasses.asdict(self)
         out["layer_types"] = list(self.layer_types)
         out["mlp_layer_types"] = list(self.mlp_layer_types)
+        if self.mtp_local_layer_ids is not None:
+            out["mtp_local_layer_ids"] = list(self.mtp_local_layer_ids)
         out["model_type"] = TEXT_MODEL_TYPE
         return out
 
@@ -184,6 +211,10 @@ class InklingConfig:
         check(("pad_token_id", "bos_token_id", "eos_token_id"), lambda v: v is None or (is_int(v) and v >= 0),
               "a token id or null")
         check(("log_scaling_alpha", "route_scale"), is_finite, "a finite number")
+        check(("num_mtp_layers",), lambda v: v is None or (is_int(v) and v >= 0), "a non-negative integer or null")
+        check(("chain_hidden_post_norm", "mtp_hidden_states_first"), lambda v: isinstance(v, bool), "true or false")
+        check(("mtp_local_layer_ids",), lambda v: v is None or (isinstance(v, tuple) and all(
+            is_int(i) and 0 <= i < (self.num_mtp_layers or 0) for i in v)), "null or a list of MTP layer indices")
         check(("rms_norm_eps",), lambda v: is_finite(v) and v > 0, "a finite number > 0")
         check(("logits_mup_width_multiplier",), lambda v: is_finite(v) and v != 0, "a finite non-zero number")
         if problems:  # the checks below assume the types are right

@@ -95,7 +95,7 @@ class Engine:
         # Speculative decoding: K drafts per request and step, checked by one verify forward.
         self.num_speculative_tokens = option_int("num_speculative_tokens", num_speculative_tokens, 1,
                                                  MAX_SPECULATIVE_TOKENS) if speculative is not None else 0
-        self.drafter = make_drafter(speculative, self.num_speculative_tokens, model)
+        self.drafter = make_drafter(speculative, self.num_speculative_tokens, model)  # checked before any allocation
         self.speculative = speculative if speculative is None or isinstance(speculative, str) \
             else type(speculative).__name__
         draft_tokens = self.num_speculative_tokens
@@ -124,6 +124,8 @@ class Engine:
         self.prefix = PrefixCache(self.pool, option_int("host_cache_bytes", host_cache_bytes, 0)) \
             if prefix_cache else None
         self._loads: list = []  # (HostLoad, the Reload it carries out) admitted this step
+        if self.drafter is not None:
+            self.drafter.attach(self.pool, self.max_model_len)
         self._user_counter = None  # a layer-transfer counter attached by the caller
         self.backend = StepBackend(self.pool, config, max_batch_size=max_batch_size,
                                    max_tokens=self.prefill_chunk_tokens, device=self.device,
@@ -171,7 +173,12 @@ class Engine:
         graph (every bucket warmed up here); compile=False is the eager reference path. check_finite
         refuses a checkpoint with NaN or inf weights."""
         build_in_background()  # the C++ kernels (first time only) build while the weights load and compile
-        model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite)
+        # The MTP head is loaded only for MTP drafting, one depth per speculative token.
+        mtp_depths = 0
+        if kwargs.get("speculative") == "mtp":
+            mtp_depths = option_int("num_speculative_tokens", kwargs.get("num_speculative_tokens", 2), 1,
+                                    MAX_SPECULATIVE_TOKENS)
+        model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite, mtp_depths=mtp_depths)
         return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
                    max_batch_size=max_batch_size, **kwargs)
 
@@ -410,7 +417,7 @@ class Engine:
     def _decode_forward(self, batch: list[Request]) -> Callable[[list[Request]], StepOutput | VerifyOutput]:
         """A verify forward when the drafter has a guess for any request in the batch, else plain decode."""
         drafts = self.drafter.propose(batch) if self.drafter is not None else None
-        if not drafts or all(d is None for d in drafts):
+        if not drafts or all(d is None for d in drafts) and not self.drafter.needs_hidden:
             return self.runner.decode
         K, full = self.num_speculative_tokens, []
         for req, draft in zip(batch, drafts):
@@ -426,9 +433,12 @@ class Engine:
                                for row, (req, start) in enumerate(zip(reqs, starts))
                                for pages, checkpoint in checkpoints[req].items()]
         try:
-            return self.runner.prefill(reqs, lengths)
+            out = self.runner.prefill(reqs, lengths)
         finally:
             context.checkpoints = []
+        if self.drafter is not None:
+            self.drafter.observe_prefill(reqs, lengths, out.hidden)
+        return out
 
     def _plan_checkpoints(self, chunks: list[tuple[Request, int]]) -> dict[Request, dict[int, int]]:
         """request -> {pages: checkpoint index} for the page boundaries its chunk crosses that the prefix

@@ -213,20 +213,24 @@ class NormedEmbedding(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config: InklingConfig):
+    def __init__(self, config: InklingConfig, mtp_depths: int = 0):
         super().__init__()
         self.embed_tokens = NormedEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if mtp_depths:  # the multi-token-prediction head, built only when asked for (`model.mtp.*`)
+            from .mtp import MtpHead
+
+            self.mtp = MtpHead(config, mtp_depths)
 
 
 class InklingForCausalLM(nn.Module):
     """Embedding -> layers -> final norm -> lm_head / mup multiplier, logits cut to the unpadded vocab."""
 
-    def __init__(self, config: InklingConfig):
+    def __init__(self, config: InklingConfig, mtp_depths: int = 0):
         super().__init__()
         self.config = config
-        self.model = TextModel(config)
+        self.model = TextModel(config, mtp_depths)
         # Only the rows that survive the unpadded-vocab cut are kept.
         self.lm_head = _Tensor("weight", (config.logits_vocab_size, config.hidden_size))
 

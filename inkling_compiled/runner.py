@@ -20,6 +20,7 @@ class StepOutput(msgspec.Struct):
     chosen_logprobs: torch.Tensor  # [B] fp32
     top_ids: torch.Tensor  # [B, n] int64, most likely first
     top_logprobs: torch.Tensor  # [B, n] fp32
+    hidden: torch.Tensor | None = None  # [T, H] every token's final-normed hidden state, when asked for
 
     def to_host(self, top_n: int, one_copy: bool | None = None
                 ) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
@@ -64,15 +65,15 @@ def _top(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, ..
     return logprobs.gather(-1, tokens[:, None])[:, 0], top.indices, top.values
 
 
-def forward_step(model: InklingForCausalLM, backend: StepBackend) -> tuple[torch.Tensor, ...]:
+def forward_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bool = False) -> tuple[torch.Tensor, ...]:
     """The whole step as one function of the static buffers (what the compiled path captures)."""
     md: StepMetadata = backend.metadata
-    hidden = model.hidden_states(md.input_ids, backend.context)
+    every = hidden = model.hidden_states(md.input_ids, backend.context)
     if not md.is_decode:
         hidden = hidden[md.last_token_index]
     logits = model.logits(hidden)
     tokens, logprobs = sample(logits, md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
-    return (tokens, *_top(tokens, logprobs))
+    return (tokens, *_top(tokens, logprobs), *((every,) if with_hidden else ()))
 
 
 def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bool = False) -> tuple[torch.Tensor, ...]:
@@ -147,7 +148,7 @@ class EagerRunner:
                                         [self.backend.pool.slot_of[r.request_id] for r in reqs],
                                         [r.sampling_row() for r in reqs])
         with nvtx_range(f"prefill {len(reqs)} rows, {sum(lengths)} tokens"):
-            return StepOutput(*forward_step(self.model, self.backend))
+            return StepOutput(*forward_step(self.model, self.backend, self.with_hidden))
 
     def _prepare_decode(self, reqs, pad_to: int | None = None) -> None:
         slot_of = self.backend.pool.slot_of

@@ -26,11 +26,14 @@ class Drafter:
 
     `propose` returns, per request, its drafts (at most num_tokens; fewer is fine, the step fills the
     rest with stand-ins that count as nothing) or None when it has no guess. A step where no request
-    has a guess decodes plainly. The `observe_*` hooks hear what the target did, for drafters that keep
+    has a guess decodes plainly, unless the drafter needs hidden states (only verify steps return them). The `observe_*` hooks hear what the target did, for drafters that keep
     state of their own (the hidden states come only when `needs_hidden` is set)."""
 
     num_tokens: int
     needs_hidden: bool = False
+
+    def attach(self, pool, max_model_len: int) -> None:
+        """Called once the engine's pool exists (slot ids are the pool's), before any request."""
 
     def propose(self, reqs: list) -> list[list[int] | None]:
         raise NotImplementedError

@@ -23,7 +23,8 @@ from .tokenizer import write_byte_tokenizer
 _COMMON = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6, hidden_act="silu")
 
 TINY_CONFIGS: dict[str, dict] = {
-    # Every (sliding, global) x (dense, sparse) pair, K=4, log scaling from position 4.
+    # Every (sliding, global) x (dense, sparse) pair, K=4, log scaling from position 4; an MTP head of
+    # four depths (sliding, global, sliding, global).
     "tiny": dict(
         vocab_size=272, unpadded_vocab_size=264, hidden_size=64, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -33,8 +34,9 @@ TINY_CONFIGS: dict[str, dict] = {
         mlp_layer_types=["dense", "sparse", "sparse", "dense"],
         conv_kernel_size=4, intermediate_size=96, moe_intermediate_size=32,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, route_scale=8.0,
-        logits_mup_width_multiplier=4.0, **_COMMON),
-    # Kernel 3, global layer first, one shared expert, odd window and extent.
+        logits_mup_width_multiplier=4.0, num_mtp_layers=4, mtp_local_layer_ids=[0, 2], **_COMMON),
+    # Kernel 3, global layer first, one shared expert, odd window and extent; two global MTP depths with
+    # the chain norm.
     "tiny-k3": dict(
         vocab_size=272, unpadded_vocab_size=261, hidden_size=48, num_hidden_layers=3,
         num_attention_heads=6, num_key_value_heads=2, head_dim=8,
@@ -44,7 +46,7 @@ TINY_CONFIGS: dict[str, dict] = {
         mlp_layer_types=["sparse", "dense", "sparse"],
         conv_kernel_size=3, intermediate_size=80, moe_intermediate_size=24,
         n_routed_experts=6, num_experts_per_tok=3, n_shared_experts=1, route_scale=2.5,
-        logits_mup_width_multiplier=3.0, **_COMMON),
+        logits_mup_width_multiplier=3.0, num_mtp_layers=2, chain_hidden_post_norm=True, **_COMMON),
     # The benchmark model: hidden 512, 8 layers, 16 experts top-2 + 1 shared, vocab 4096.
     "small": dict(
         vocab_size=4096, unpadded_vocab_size=4000, hidden_size=512, num_hidden_layers=8,
@@ -54,15 +56,25 @@ TINY_CONFIGS: dict[str, dict] = {
         local_layer_ids=[0, 1, 2, 4, 5, 6], dense_mlp_idx=1,
         conv_kernel_size=4, intermediate_size=1024, moe_intermediate_size=512,
         n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, route_scale=2.0,
-        logits_mup_width_multiplier=8.0, **_COMMON),
+        logits_mup_width_multiplier=8.0, num_mtp_layers=2, mtp_local_layer_ids=[0], **_COMMON),
 }
 
 
 def random_weights(config: InklingConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """fp32 tensors in transformers names, each drawn from a scale that fits its role."""
+    """fp32 tensors in transformers names, each drawn from a scale that fits its role; the MTP head's
+    (when the config has one) from a generator of its own, so the trunk's weights do not depend on it."""
+    out = _draw(expected_shapes(config), seed)
+    depths = config.num_mtp_layers or 0
+    if depths:
+        trunk = set(out)
+        out.update(_draw({n: s for n, s in expected_shapes(config, depths).items() if n not in trunk}, seed + 1))
+    return out
+
+
+def _draw(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, shape in sorted(expected_shapes(config).items()):
+    for name, shape in sorted(shapes.items()):
         normal = torch.randn(shape, generator=gen)
         if name.endswith("norm.weight"):
             t = 1.0 + 0.1 * normal
@@ -94,7 +106,8 @@ def write_checkpoint(out_dir: str | Path, raw_config: dict, tensors: dict[str, t
         gen = torch.Generator().manual_seed(1)
         tensors["model.visual.layers.linear_0.weight"] = torch.randn(8, 8, generator=gen)
         tensors["model.audio.encoder.weight"] = torch.randn(4, 8, generator=gen)
-        tensors["model.mtp.layers.0.attn_norm.weight"] = torch.randn(8, generator=gen)
+        if not any(n.startswith("model.mtp.") for n in tensors):  # a head of some kind rides along
+            tensors["model.mtp.layers.0.attn_norm.weight"] = torch.randn(8, generator=gen)
     elif layout == "transformers":
         config_json = {**raw_config, "model_type": "inkling_text"}
     else:

@@ -27,11 +27,36 @@ def test_original_layout_loads_to_identical_logits(checkpoint):
     assert torch.equal(hf_names, original)
 
 
+def _mtp_names(folder):
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return [n for n in f.keys() if n.startswith("model.mtp.")]
+
+
 def test_original_layout_reports_skipped_towers(checkpoint):
-    _, report = load_model(checkpoint("tiny", layout="original"))
-    assert report == "skipped non-text tensors: audio 1, mtp 1, vision 1"
-    _, report = load_model(checkpoint("tiny"))
+    original, hf = checkpoint("tiny", layout="original"), checkpoint("tiny")
+    _, report = load_model(original)
+    assert report == f"skipped non-text tensors: audio 1, mtp {len(_mtp_names(original))}, vision 1"
+    _, report = load_model(hf)
+    assert report == f"skipped non-text tensors: mtp {len(_mtp_names(hf))}"
+    _, report = load_model(checkpoint("tiny-k3"), mtp_depths=2)  # every depth and the chain norm loaded
     assert report is None
+
+
+def test_mtp_head_loads_from_either_layout(checkpoint):
+    """The original layout (transformer_block.*, fused interleaved w13) and ours (block.*) give the same head;
+    depths past the ones asked for are skipped, and asking for more than the checkpoint has is refused."""
+    from inkling_compiled.errors import OptionError
+
+    heads = [load_model(checkpoint("tiny", layout=layout), mtp_depths=2)[0].model.mtp for layout in
+             ("transformers", "original")]
+    a, b = (dict(h.state_dict()) for h in heads)
+    assert a.keys() == b.keys() and len(a) > 40
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert any(".block.mlp.gate_proj" in n for n in a) and "layers.2.hidden_norm.weight" not in a
+    with pytest.raises(OptionError, match="MTP depth"):
+        load_model(checkpoint("tiny"), mtp_depths=5)
 
 
 def test_sharded_equals_single_file(checkpoint):

@@ -1,0 +1,162 @@
+"""The MTP head: its forward against a plain-torch recipe built on transformers' own decoder layer, the
+drafter's lagged state against that recipe from scratch, and MTP speculative decoding against plain
+decoding and transformers."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from inkling_compiled import load_model
+from inkling_compiled.engine import Engine
+from inkling_compiled.sampling import SamplingParams
+
+from conftest import random_prompt
+
+transformers = pytest.importorskip("transformers")
+GREEDY = SamplingParams(max_new_tokens=12, logprobs=True, ignore_eos=True)
+
+
+def hf_mtp_logits(hf, folder, tokens: list[int], depths: int) -> list[torch.Tensor]:
+    """inkling-mtp.md §3 step by step, with transformers' modules: depth m over positions 0..n-1-m takes
+    prev (h for m=1, else depth m-1's output) and the trunk-normed embedding of x_{q+m}, fuses
+    input_proj(cat[hidden_norm(prev), embed_norm(e)]), runs one decoder layer (dense MLP; sliding where
+    mtp_local_layer_ids says), chain_norm if the flag is set; logits = lm_head(out / mup)."""
+    from transformers.models.inkling.modeling_inkling import InklingRMSNorm, InklingTextModel
+
+    config = hf.config
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        weights = {k: f.get_tensor(k) for k in f.keys() if k.startswith("model.mtp.")}
+
+    def norm(name):
+        n = InklingRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        n.weight.data.copy_(weights[name])
+        return n
+
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        prev = hf.model(ids).last_hidden_state[0]
+        outs = []
+        for i in range(depths):
+            m, n = i + 1, len(tokens) - i - 1
+            p = f"model.mtp.layers.{i}."
+            block_config = copy.deepcopy(config)
+            block_config.num_hidden_layers = 1
+            block_config.layer_types = [config.mtp_layer_types[i]]
+            block_config.mlp_layer_types = ["dense"]
+            block = InklingTextModel(block_config).eval()
+            block.layers[0].load_state_dict({k[len(p + "block."):]: v for k, v in weights.items()
+                                             if k.startswith(p + "block.")})
+            captured = []
+            block.layers[0].register_forward_hook(lambda mod, args, out: captured.append(out))
+            embedded = hf.model.embed_tokens(ids[:, m:m + n])[0]
+            fused = F.linear(torch.cat([norm(p + "hidden_norm.weight")(prev[:n]), norm(p + "embed_norm.weight")(embedded)],
+                                       -1), weights[p + "input_proj.weight"])
+            block(inputs_embeds=fused[None], use_cache=False)
+            out = captured[0][0]
+            if config.chain_hidden_post_norm:
+                out = norm("model.mtp.chain_norm.weight")(out)
+            logits = F.linear(out / config.logits_mup_width_multiplier, hf.lm_head.weight)
+            outs.append(logits[:, :config.unpadded_vocab_size or config.vocab_size])
+            prev = out
+    return outs
+
+
+@pytest.mark.parametrize("name, depths", [("tiny", 4), ("tiny-k3", 2)])
+def test_mtp_forward_matches_the_recipe_on_transformers_layers(name, depths, checkpoint, hf_model):
+    tokens = random_prompt(21, seed=5)
+    model, _ = load_model(checkpoint(name), mtp_depths=depths)
+    ours = model.model.mtp.forward_sequence(model, _trunk_hidden(model, tokens), torch.tensor(tokens))
+    want = hf_mtp_logits(hf_model(name), checkpoint(name), tokens, depths)
+    assert len(ours) == depths
+    for m, (a, b) in enumerate(zip(ours, want), start=1):
+        assert a.shape == b.shape == (len(tokens) - m, b.shape[1])
+        assert torch.allclose(a, b, atol=1e-4), (m, (a - b).abs().max().item())
+
+
+def _full(model, n):
+    from inkling_compiled.contexts import FullSequenceContext
+
+    return FullSequenceContext([n], model.config, "cpu")
+
+
+def _trunk_hidden(model, tokens):
+    with torch.no_grad():
+        return model.hidden_states(torch.tensor(tokens), _full(model, len(tokens)))
+
+
+def test_drafts_equal_the_recipe_from_scratch(checkpoint):
+    """The drafter's per-depth state (extended only over known tokens, missing positions run on the side)
+    gives the drafts the head computes over the whole sequence from scratch: after the prefill and after
+    several verify steps, for every depth."""
+    K = 4
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, max_model_len=96,
+                                    speculative="mtp", num_speculative_tokens=K, progress=False)
+    prompts = [random_prompt(9, seed=70), random_prompt(14, seed=71)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    model, head = engine.model, engine.model.model.mtp
+    for step in range(6):
+        engine.step()
+        for req in engine.running:
+            drafts = engine.drafter.propose([req])[0]
+            known = req.prompt + req.output
+            sequence = known + drafts[:-1]  # depth m at the anchor reads x_{P-1+m}: drafts d_1..d_{m-1}
+            logits = head.forward_sequence(model, _trunk_hidden(model, sequence), torch.tensor(sequence))
+            anchor = len(known) - 2
+            assert drafts == [logits[m][anchor].argmax().item() for m in range(K)], (step, req.request_id)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_mtp_greedy_equals_plain_decoding_and_transformers(K, checkpoint, hf_greedy):
+    prompts = [random_prompt(5 + 4 * i, seed=80 + i) for i in range(3)] + [[7, 8, 9] * 5]
+    plain = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, progress=False)
+    spec = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, progress=False,
+                                  speculative="mtp", num_speculative_tokens=K)
+    want = plain.generate(prompts, GREEDY)
+    outs = spec.generate(prompts, GREEDY)
+    for prompt, out, w in zip(prompts, outs, want):
+        assert out.token_ids == w.token_ids == hf_greedy("tiny", prompt, GREEDY.max_new_tokens)[0]
+        assert max(abs(a - b) for a, b in zip(out.logprobs, w.logprobs)) < 1e-4
+        assert out.spec_proposed > 0
+    assert spec.stats()["verify_steps"] > 0 and spec.stats()["decode_steps"] == 0
+
+
+def test_mtp_with_continuous_batching_chunked_prefill_and_prefix_hits(checkpoint):
+    """Staggered arrivals, prompts prefilled over several steps, a shared prefix served from the cache (the
+    head's history then starts past it) and an abort: outputs stay those of plain decoding."""
+    shared = random_prompt(20, seed=90)
+    prompts = [shared + random_prompt(3 + i, seed=91 + i) for i in range(5)]
+    kw = dict(compile=False, max_batch_size=3, max_model_len=96, prefill_chunk_tokens=8, progress=False)
+    want = Engine.from_pretrained(checkpoint("tiny"), **kw).generate(prompts, GREEDY)
+    engine = Engine.from_pretrained(checkpoint("tiny"), speculative="mtp", num_speculative_tokens=2, **kw)
+    final, rids = {}, {}
+    for step in range(300):
+        if step < 5:
+            rids[engine.add_request(prompts[step], GREEDY)] = step
+        if step == 6:
+            engine.abort(next(r for r, i in rids.items() if i == 1))
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if len(final) == 5 and not engine.has_unfinished():
+            break
+    assert sum(o.cached_tokens for o in final.values()) > 0
+    for rid, i in rids.items():
+        if i != 1:
+            assert final[rid].token_ids == want[i].token_ids
+    assert final[next(r for r, i in rids.items() if i == 1)].finish_reason == "abort"
+    assert not engine.drafter.tracks  # every request's drafter state is gone with it
+
+
+def test_mtp_needs_a_head(checkpoint, tmp_path):
+    from inkling_compiled.errors import OptionError
+    from inkling_compiled.tiny import build_tiny_checkpoint
+
+    headless = build_tiny_checkpoint(tmp_path / "headless", "tiny", overrides={"num_mtp_layers": None, "mtp_local_layer_ids": None})
+    with pytest.raises(OptionError, match="MTP depth"):
+        Engine.from_pretrained(headless, compile=False, speculative="mtp", num_speculative_tokens=1)
+    with pytest.raises(OptionError, match="MTP depth"):
+        Engine.from_pretrained(checkpoint("tiny-k3"), compile=False, speculative="mtp", num_speculative_tokens=3)
