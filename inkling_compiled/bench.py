@@ -21,6 +21,7 @@ import torch
 
 from .engine import Engine
 from .sampling import SamplingParams
+from .speculative import Drafter
 from .tiny import build_tiny_checkpoint
 
 REPEATS = 3
@@ -123,6 +124,80 @@ def markdown_table(results: dict, engines: list[str]) -> str:
         cells = [row["config"], str(row["batch"])] + [f"{row[e]['tok_s']:.1f}" for e in engines]
         if "transformers" in engines:
             cells += [f"{row[e]['tok_s'] / row['transformers']['tok_s']:.2f}x" for e in ours]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- speculative decoding ----------------------------------------------------------------------------
+
+class ReplayDrafter(Drafter):
+    """Proposes what a plain greedy run of the same prompt produced: every draft is accepted, so a run with
+    it measures what verification costs and gains at full acceptance (the ceiling of any drafter)."""
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]]):
+        self.outputs = outputs
+
+    def propose(self, reqs: list) -> list[list[int] | None]:
+        return [self.outputs[tuple(r.prompt)][len(r.output):len(r.output) + self.num_tokens] or None for r in reqs]
+
+
+def _repetitive_prompts(batch: int, length: int, seed: int, span: int = 16) -> list[list[int]]:
+    """Each prompt one random span repeated: what prompt lookup can draft from (the output of a trained
+    model editing code copies such spans; a random-weight model does not, whatever the prompt)."""
+    spans = _prompts(batch, span, seed)
+    return [(s * (length // span + 1))[:length] for s in spans]
+
+
+def run_spec_bench(configs: list[str], batches: list[int], prompt_len: int, new_tokens: int, drafters: list[str],
+                   K: int, log=print) -> dict:
+    """Compiled speculative decoding with each drafter against compiled plain decoding, same workload: decode
+    tokens/s, the acceptance rate and tokens per request-step of the timed runs, and the speed-up."""
+    torch.set_num_threads(1)
+    results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
+               "prompt_len": prompt_len, "new_tokens": new_tokens, "num_speculative_tokens": K, "runs": []}
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in configs:
+            path = build_tiny_checkpoint(Path(tmp) / name, name)
+            common = dict(compile=True, max_batch_size=max(batches), buckets=tuple(sorted(set(batches))),
+                          max_model_len=prompt_len + new_tokens + K + 1, prefill_chunk_tokens=max(batches) * prompt_len,
+                          prefix_cache=False, progress=False)
+            plain = Engine.from_pretrained(path, **common)
+            workloads = {batch: _repetitive_prompts(batch, prompt_len, seed=batch) for batch in batches}
+            replayed = {tuple(p): o.token_ids for prompts in workloads.values()
+                        for p, o in zip(prompts, plain.generate(prompts, params))}
+            engines = {kind: Engine.from_pretrained(
+                path, speculative=ReplayDrafter(replayed) if kind == "replay" else kind, num_speculative_tokens=K,
+                **common) for kind in drafters}
+            for batch, prompts in workloads.items():
+                row = {"config": name, "batch": batch, "plain": bench_engine(plain, prompts, new_tokens)}
+                for kind, engine in engines.items():
+                    before = engine.stats()
+                    row[kind] = bench_engine(engine, prompts, new_tokens)
+                    after = engine.stats()
+                    proposed = after["spec_proposed"] - before["spec_proposed"]
+                    row[kind].update(
+                        acceptance=(after["spec_accepted"] - before["spec_accepted"]) / proposed if proposed else None,
+                        tokens_per_step=(after["decode_tokens"] - before["decode_tokens"])
+                        / max(after["row_steps"] - before["row_steps"], 1),
+                        speedup=row[kind]["tok_s"] / row["plain"]["tok_s"])
+                results["runs"].append(row)
+                log(f"{name:>8} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
+                    f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x" for kind in drafters))
+    return results
+
+
+def spec_table(results: dict) -> str:
+    kinds = [k for k in results["runs"][0] if k not in ("config", "batch", "plain")]
+    head = ["config", "batch", "plain tok/s"] + [f"{k} {c}" for k in kinds for c in
+                                                  ("tok/s", "accepted", "tokens/step", "speed-up")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results["runs"]:
+        cells = [row["config"], str(row["batch"]), f"{row['plain']['tok_s']:.1f}"]
+        for k in kinds:
+            r = row[k]
+            cells += [f"{r['tok_s']:.1f}", "n/a" if r["acceptance"] is None else f"{r['acceptance']:.2f}",
+                      f"{r['tokens_per_step']:.2f}", f"{r['speedup']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

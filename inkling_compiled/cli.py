@@ -55,7 +55,18 @@ def _engine_args(args):
         else None
     return dict(device=args.device, dtype=args.dtype, compile=args.compile, max_batch_size=args.max_batch_size,
                 buckets=buckets, compile_backend=args.compile_backend,
-                prefill_chunk_tokens=args.prefill_chunk_tokens, prefix_cache=args.prefix_cache)
+                prefill_chunk_tokens=args.prefill_chunk_tokens, prefix_cache=args.prefix_cache,
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+
+
+def _speculation_line(engine) -> str | None:
+    s = engine.stats()
+    if s["speculative"] is None:
+        return None
+    rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
+    per_step = "n/a" if s["mean_tokens_per_step"] is None else f"{s['mean_tokens_per_step']:.2f}"
+    return (f"speculative {s['speculative']} (K={s['num_speculative_tokens']}): {s['spec_accepted']}/"
+            f"{s['spec_proposed']} drafts accepted ({rate}), {per_step} tokens per request per step")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -80,6 +91,8 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"      tokens {out.token_ids}")
     total = sum(len(o.token_ids) for o in outs)
     print(f"{total} tokens in {seconds:.2f} s: {total / seconds:.1f} tokens/s (prefill included)")
+    if line := _speculation_line(engine):
+        print(line)
     return 0
 
 
@@ -109,6 +122,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(printable(out.text) if out.text is not None and not args.token_ids else out.token_ids)
     total = sum(len(o.token_ids) for o in outs)
     print(f"[{total} tokens in {seconds:.2f} s, {total / seconds:.1f} tokens/s]", file=sys.stderr)
+    if line := _speculation_line(engine):
+        print(f"[{line}]", file=sys.stderr)
     return 0
 
 
@@ -118,6 +133,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench import compile_times, markdown_table, plot, run_bench
 
+    if args.speculative:
+        return _bench_speculative(args)
     engines = args.engines
     results = run_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, engines)
     print(markdown_table(results, engines))
@@ -131,6 +148,21 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.png:
         print(f"wrote {args.png}" if plot(results, engines, args.png) else "no PNG: matplotlib is not installed")
+    return 0
+
+
+def _bench_speculative(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .bench import run_spec_bench, spec_table
+
+    results = run_spec_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, args.speculative,
+                             args.num_speculative_tokens)
+    print(spec_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -246,6 +278,14 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the cached state of prompt prefixes other requests had (--no-prefix-cache: off)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    _add_speculative_options(p)
+
+
+def _add_speculative_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=["ngram", "mtp"], default=None,
+                   help="speculative decoding: prompt-lookup drafts, or the checkpoint's MTP head (default: off)")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=2,
+                   help="draft tokens checked per request and step (with --speculative)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--png", default="bench-decode.png", help="plot (needs matplotlib: the [bench] extra)")
     bench.add_argument("--compile-times", nargs="*", default=[], metavar="CONFIG",
                        help="also time cold and warm warm-up of all default buckets for these configs")
+    bench.add_argument("--speculative", nargs="+", choices=["ngram", "mtp", "replay"], default=None,
+                       help="instead: compiled speculative decoding with these drafters against compiled plain "
+                            "decoding (replay: the plain run's own tokens as drafts, the ceiling)")
+    bench.add_argument("--num-speculative-tokens", type=positive_int, default=2, help="K for --speculative")
     bench.set_defaults(run=_bench)
     roof = sub.add_parser("roofline", help="this machine's bandwidth and matmul rate, each batch's floor, and "
                                            "how close the compiled decode step gets")
