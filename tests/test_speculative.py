@@ -58,10 +58,16 @@ def plain_outputs(checkpoint):
 
 # ---- ops ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kernel", ["op", "reference"])
 @pytest.mark.parametrize("K", [3, 4])
-def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K):
+def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K, kernel):
     """sconv_verify leaves the slots alone and saves each token's window; committing step s gives the state
-    that decoding tokens 0..s one at a time leaves (bit for bit), whatever each row accepted."""
+    that decoding tokens 0..s one at a time leaves (bit for bit), whatever each row accepted. `op` is the
+    CPU (C++) kernel, whose outputs also equal the reference's bit for bit."""
+    from inkling_compiled.custom_ops import KERNELS
+
+    verify, commit = ((torch.ops.inkling.sconv_verify, torch.ops.inkling.commit_conv_windows) if kernel == "op" else
+                      (KERNELS["sconv_verify"]["reference"], KERNELS["commit_conv_windows"]["reference"]))
     g = torch.Generator().manual_seed(0)
     T_d, D, slots = 4, 6, 6
     state = torch.randn(slots, K - 1, D, generator=g)
@@ -70,8 +76,11 @@ def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K):
     x = torch.randn(len(rows) * T_d, D, generator=g)
     windows = torch.zeros(slots, T_d, K - 1, D)
     before = state.clone()
-    y = torch.ops.inkling.sconv_verify(x, state, weight, rows, windows)
+    y = verify(x, state, weight, rows, windows)
     assert torch.equal(state, before)
+    reference_windows = torch.zeros_like(windows)
+    assert torch.equal(y, KERNELS["sconv_verify"]["reference"](x, state, weight, rows, reference_windows))
+    assert torch.equal(windows, reference_windows)
 
     decoded = state.clone()
     want_y, want_windows = [], []
@@ -83,7 +92,7 @@ def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K):
     steps = torch.tensor([0, 3, -1, 1])  # rows accept 0, 3, (finished: left alone), 1 drafts
     pool = torch.stack([state.clone(), state.clone()])  # a pool stream of two layers
     saved = torch.stack([windows, windows])
-    torch.ops.inkling.commit_conv_windows([pool], [saved], rows, steps)
+    commit([pool], [saved], rows, steps)
     for i, (slot, step) in enumerate(zip(rows.tolist(), steps.tolist())):
         want = before[slot] if step < 0 else want_windows[step][i]
         assert torch.equal(pool[0, slot], want) and torch.equal(pool[1, slot], want)

@@ -144,6 +144,81 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
   return y;
 }
 
+// Speculative verify: each row's T tokens continue its slot's window, which is only read; windows[b, t]
+// receives the K-1 inputs ending at the row's token t. Same tap order as sconv_decode.
+at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const at::Tensor& weight_in,
+                        const at::Tensor& cache_indices, at::Tensor windows, int64_t layer_id, int64_t stream) {
+  ConvRange range(layer_id, stream);
+  check_state(state, x_in);
+  TORCH_CHECK(windows.scalar_type() == at::kFloat && windows.dim() == 4 && windows.stride(3) == 1,
+              "sconv_verify: windows must be fp32 [rows, T, K-1, D] with unit channel stride");
+  const auto x = x_in.contiguous();
+  const auto w = weight_in.to(at::kFloat).contiguous();
+  const auto idx = cache_indices.to(at::kInt).contiguous();
+  const int64_t B = idx.size(0), T = windows.size(1), D = x.size(1), K = w.size(1), H = K - 1;
+  TORCH_CHECK(x.size(0) == B * T && windows.size(0) >= B && windows.size(2) == H && windows.size(3) == D,
+              "sconv_verify: x must hold T tokens per row and windows one [K-1, D] window per (row, token)");
+  auto y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* sp = state.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* vp = windows.data_ptr<float>();
+  const int32_t* ip = idx.data_ptr<int32_t>();
+  const int64_t s0 = state.stride(0), s1 = state.stride(1);
+  const int64_t v0 = windows.stride(0), v1 = windows.stride(1), v2 = windows.stride(2);
+  std::vector<float> seq((H + T) * D);  // the slot's window, then the row's tokens
+  for (int64_t b = 0; b < B; ++b) {
+    const float* win = sp + ip[b] * s0;
+    for (int64_t j = 0; j < H; ++j) std::memcpy(&seq[j * D], win + j * s1, D * sizeof(float));
+    std::memcpy(&seq[H * D], xp + b * T * D, T * D * sizeof(float));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t d = 0; d < D; ++d) {
+        const float* wd = wp + d * K;
+        float acc = seq[(H + t) * D + d] * wd[K - 1];
+        for (int64_t back = 1; back < K; ++back) {
+          const float prod = seq[(H + t - back) * D + d] * wd[K - 1 - back];
+          acc = acc + prod;
+        }
+        yp[(b * T + t) * D + d] = acc;
+      }
+      for (int64_t j = 0; j < H; ++j) std::memcpy(vp + b * v0 + t * v1 + j * v2, &seq[(t + 1 + j) * D], D * sizeof(float));
+    }
+  }
+  return y;
+}
+
+// After a verify: for each row i with steps[i] >= 0, every layer's window of slots[i] in each pool stream
+// becomes the one saved after token steps[i] (states[s] [L, slots, K-1, D], windows[s] [L, rows, T, K-1, D]).
+void commit_conv_windows(at::TensorList states, at::TensorList windows, const at::Tensor& slots_in,
+                         const at::Tensor& steps_in) {
+  TORCH_CHECK(states.size() == windows.size(), "commit_conv_windows: one window tensor per pool stream");
+  const auto slots = slots_in.to(at::kLong).contiguous();
+  const auto steps = steps_in.to(at::kLong).contiguous();
+  const int64_t n = slots.numel();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* step = steps.data_ptr<int64_t>();
+  for (size_t s = 0; s < states.size(); ++s) {
+    at::Tensor state = states[s];
+    const at::Tensor& saved = windows[s];
+    TORCH_CHECK(state.scalar_type() == at::kFloat && saved.scalar_type() == at::kFloat && state.dim() == 4 &&
+                saved.dim() == 5, "commit_conv_windows: fp32 states [L, slots, K-1, D] and windows [L, rows, T, K-1, D]");
+    const int64_t L = state.size(0), H = state.size(2), D = state.size(3);
+    TORCH_CHECK(state.stride(3) == 1 && state.stride(2) == D && saved.stride(4) == 1 && saved.stride(3) == D,
+                "commit_conv_windows: each window must be one contiguous run of (K-1)*D values");
+    float* sp = state.data_ptr<float>();
+    const float* wp = saved.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (step[i] < 0) continue;
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < state.size(1) && step[i] < saved.size(2) && i < saved.size(1),
+                  "commit_conv_windows: slot ", slot[i], " or step ", step[i], " out of range");
+      for (int64_t l = 0; l < L; ++l)
+        std::memcpy(sp + l * state.stride(0) + slot[i] * state.stride(1),
+                    wp + l * saved.stride(0) + i * saved.stride(1) + step[i] * saved.stride(2), H * D * sizeof(float));
+    }
+  }
+}
+
 // Copies rows k[t], v[t] to cache location locations[t]; negative locations are skipped.
 void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
               const at::Tensor& locations) {
@@ -699,6 +774,8 @@ extern "C" const char* inkling_cpu_isa() { return matmul_choice().isa; }
 TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("sconv_decode", &sconv_decode);
   m.impl("sconv_extend", &sconv_extend);
+  m.impl("sconv_verify", &sconv_verify);
+  m.impl("commit_conv_windows", &commit_conv_windows);
   m.impl("kv_write", &kv_write);
   m.impl("paged_attention", &paged_attention);
   m.impl("ring_attention", &ring_attention);
