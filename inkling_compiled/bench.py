@@ -1,7 +1,7 @@
 """Decode throughput: our engine against transformers' own `generate`, same weights, same process.
 
-Decode tokens/s counts the tokens produced after the first one (the first comes out of prefill), over
-the time those steps took. Each measurement runs once untimed first, then REPEATS times; the median
+Decode tokens/s counts the tokens produced once every prompt is prefilled (the first comes out of
+prefill), over the time those steps took. Each measurement runs once untimed first, then REPEATS times; the median
 is reported (this machine class is noisy). Results are ratios, printed and written as JSON; nothing
 here asserts a speed.
 """
@@ -22,7 +22,7 @@ import torch
 from .engine import Engine
 from .sampling import SamplingParams
 from .speculative import Drafter
-from .tiny import build_tiny_checkpoint
+from .tiny import TINY_CONFIGS, build_tiny_checkpoint
 
 REPEATS = 3
 
@@ -35,19 +35,21 @@ def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 def bench_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
-    def run() -> tuple[float, int]:
+    def run() -> tuple[float, int, int]:
         for p in prompts:
             engine.add_request(p, params)
-        engine.step()  # prefill + first token, untimed
+        engine.step()  # prefill + first tokens, untimed (a prefill over several steps too)
+        while engine.waiting or engine.prefilling:
+            engine.step()
+        tokens = len(prompts) * new_tokens - sum(len(r.output) for r in engine.running)
         steps, t0 = 0, time.perf_counter()
         while engine.has_unfinished():
             engine.step()
             steps += 1
-        return time.perf_counter() - t0, steps
+        return time.perf_counter() - t0, steps, tokens
 
     run()
-    seconds, steps = sorted(run() for _ in range(REPEATS))[REPEATS // 2]
-    tokens = len(prompts) * (new_tokens - 1)
+    seconds, steps, tokens = sorted(run() for _ in range(REPEATS))[REPEATS // 2]
     return {"tok_s": tokens / seconds, "step_ms": 1e3 * seconds / max(steps, 1)}
 
 
@@ -141,36 +143,50 @@ class ReplayDrafter(Drafter):
         return [self.outputs[tuple(r.prompt)][len(r.output):len(r.output) + self.num_tokens] or None for r in reqs]
 
 
-def _repetitive_prompts(batch: int, length: int, seed: int, span: int = 16) -> list[list[int]]:
-    """Each prompt one random span repeated: what prompt lookup can draft from (the output of a trained
-    model editing code copies such spans; a random-weight model does not, whatever the prompt)."""
-    spans = _prompts(batch, span, seed)
-    return [(s * (length // span + 1))[:length] for s in spans]
+def sliding_only(config: str) -> dict:
+    """Overrides that make every layer of a tiny config a sliding-window layer."""
+    return {"layer_types": ["hybrid_sliding"] * TINY_CONFIGS[config]["num_hidden_layers"], "local_layer_ids": None}
 
 
-def run_spec_bench(configs: list[str], batches: list[int], prompt_len: int, new_tokens: int, drafters: list[str],
+def copy_prompts(engine: Engine, starts: list[list[int]], overlap: int, new_tokens: int) -> list[list[int]]:
+    """Prompts whose continuation copies a long span of themselves, as when a model edits code: each is
+    s + G + s + G[:overlap], G the engine's greedy continuation of s. On a model whose layers all use a
+    sliding window (and so see only the last few hundred tokens), once `overlap` covers that receptive
+    field the continuation is G[overlap:], which prompt lookup finds in the prompt. A model with global
+    layers would see the whole prompt and need not copy, whatever its weights."""
+    generated = engine.generate(starts, SamplingParams(max_new_tokens=overlap + new_tokens, ignore_eos=True))
+    return [s + g.token_ids + s + g.token_ids[:overlap] for s, g in zip(starts, generated)]
+
+
+def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tokens: int, drafters: list[str],
                    K: int, log=print) -> dict:
-    """Compiled speculative decoding with each drafter against compiled plain decoding, same workload: decode
-    tokens/s, the acceptance rate and tokens per request-step of the timed runs, and the speed-up."""
+    """Compiled speculative decoding with each drafter against compiled plain decoding on the copy workload
+    (`copy_prompts`, every layer made sliding): decode tokens/s, the acceptance rate and tokens per
+    request-step of the timed runs, and the speed-up."""
     torch.set_num_threads(1)
     results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
-               "prompt_len": prompt_len, "new_tokens": new_tokens, "num_speculative_tokens": K, "runs": []}
+               "workload": "copy", "overlap": overlap, "new_tokens": new_tokens, "num_speculative_tokens": K,
+               "runs": []}
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    start_len = 16
     with tempfile.TemporaryDirectory() as tmp:
         for name in configs:
-            path = build_tiny_checkpoint(Path(tmp) / name, name)
+            path = build_tiny_checkpoint(Path(tmp) / name, name, overrides=sliding_only(name))
+            prompt_len = 2 * (start_len + overlap) + new_tokens
             common = dict(compile=True, max_batch_size=max(batches), buckets=tuple(sorted(set(batches))),
-                          max_model_len=prompt_len + new_tokens + K + 1, prefill_chunk_tokens=max(batches) * prompt_len,
-                          prefix_cache=False, progress=False)
+                          max_model_len=prompt_len + new_tokens + K + 1, prefill_chunk_tokens=2048, prefix_cache=False,
+                          progress=False)
             plain = Engine.from_pretrained(path, **common)
-            workloads = {batch: _repetitive_prompts(batch, prompt_len, seed=batch) for batch in batches}
+            workloads = {batch: copy_prompts(plain, _prompts(batch, start_len, seed=batch), overlap, new_tokens)
+                         for batch in batches}
             replayed = {tuple(p): o.token_ids for prompts in workloads.values()
                         for p, o in zip(prompts, plain.generate(prompts, params))}
             engines = {kind: Engine.from_pretrained(
                 path, speculative=ReplayDrafter(replayed) if kind == "replay" else kind, num_speculative_tokens=K,
                 **common) for kind in drafters}
             for batch, prompts in workloads.items():
-                row = {"config": name, "batch": batch, "plain": bench_engine(plain, prompts, new_tokens)}
+                row = {"config": name, "batch": batch, "prompt_len": len(prompts[0]),
+                       "plain": bench_engine(plain, prompts, new_tokens)}
                 for kind, engine in engines.items():
                     before = engine.stats()
                     row[kind] = bench_engine(engine, prompts, new_tokens)
@@ -188,7 +204,7 @@ def run_spec_bench(configs: list[str], batches: list[int], prompt_len: int, new_
 
 
 def spec_table(results: dict) -> str:
-    kinds = [k for k in results["runs"][0] if k not in ("config", "batch", "plain")]
+    kinds = [k for k in results["runs"][0] if k not in ("config", "batch", "prompt_len", "plain")]
     head = ["config", "batch", "plain tok/s"] + [f"{k} {c}" for k in kinds for c in
                                                   ("tok/s", "accepted", "tokens/step", "speed-up")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -54,9 +54,7 @@ def expected_shapes(config: InklingConfig, mtp_depths: int = 0) -> dict[str, tup
     for i in range(config.num_hidden_layers):
         shapes.update(_layer_shapes(config, i, f"model.layers.{i}."))
     if mtp_depths:
-        from .mtp import mtp_block_config
-
-        block_config = mtp_block_config(config, mtp_depths)
+        block_config = config.mtp_block(mtp_depths)
         for i in range(mtp_depths):
             p = f"model.mtp.layers.{i}."
             shapes.update({p + "hidden_norm.weight": (H,), p + "embed_norm.weight": (H,),

@@ -157,7 +157,7 @@ def _bench_speculative(args: argparse.Namespace) -> int:
 
     from .bench import run_spec_bench, spec_table
 
-    results = run_spec_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, args.speculative,
+    results = run_spec_bench(args.configs, args.batches, args.copy_overlap, args.new_tokens, args.speculative,
                              args.num_speculative_tokens)
     print(spec_table(results))
     if args.json:
@@ -327,8 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also time cold and warm warm-up of all default buckets for these configs")
     bench.add_argument("--speculative", nargs="+", choices=["ngram", "mtp", "replay"], default=None,
                        help="instead: compiled speculative decoding with these drafters against compiled plain "
-                            "decoding (replay: the plain run's own tokens as drafts, the ceiling)")
+                            "decoding on a copy workload, every layer made sliding (replay: the plain run's own "
+                            "tokens as drafts, the ceiling)")
     bench.add_argument("--num-speculative-tokens", type=positive_int, default=2, help="K for --speculative")
+    bench.add_argument("--copy-overlap", type=positive_int, default=600,
+                       help="--speculative: tokens of the copied span already in the prompt (covering the "
+                            "sliding layers' receptive field makes the continuation a copy)")
     bench.set_defaults(run=_bench)
     roof = sub.add_parser("roofline", help="this machine's bandwidth and matmul rate, each batch's floor, and "
                                            "how close the compiled decode step gets")

@@ -265,6 +265,14 @@ class InklingConfig:
         return LayerGeometry(False, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
                              self.rel_extent, None, self.log_scaling_n_floor is not None)
 
+    def mtp_block(self, depths: int) -> "InklingConfig":
+        """The config the MTP head's decoder layers are built from: `depths` layers, each dense, sliding or
+        global as `mtp_local_layer_ids` says (all global when it is absent)."""
+        local = set(self.mtp_local_layer_ids or ())
+        return dataclasses.replace(self, num_hidden_layers=depths,
+                                   layer_types=tuple(SLIDING if i in local else GLOBAL for i in range(depths)),
+                                   mlp_layer_types=(DENSE,) * depths)
+
     def is_sparse(self, layer_id: int) -> bool:
         return self.mlp_layer_types[layer_id] == SPARSE
 

@@ -291,6 +291,7 @@ class Engine:
             "KV pages": size(pool.global_kv),
             "prefix checkpoints": size([*pool.conv_checkpoints.values(), *pool.ring_checkpoints]),
             "draft windows": size(pool.intermediate_conv_window.values()),
+            "drafter state": size(self.drafter.state_tensors()) if self.drafter is not None else 0,
             "step metadata": buffers.decode_region.bytes.numel() + buffers.prefill_region.bytes.numel(),
             "slots": pool.max_slots, "pages": pool.num_pages - 1, "page_size": pool.page_size,
             "checkpoints": pool.checkpoints.capacity,
@@ -306,7 +307,9 @@ class Engine:
         return (f"memory: weights {mib(r['weights'])}; {r['slots']} slots "
                 f"{mib(r['slot conv windows'] + r['slot sliding rings'])}; {r['pages']} KV pages of "
                 f"{r['page_size']} tokens {mib(r['KV pages'])}; {r['checkpoints']} prefix checkpoints "
-                f"{mib(r['prefix checkpoints'])}; step metadata {r['step metadata'] / 1024:.0f} KiB")
+                f"{mib(r['prefix checkpoints'])}; step metadata {r['step metadata'] / 1024:.0f} KiB"
+                + (f"; speculative state {mib(r['draft windows'] + r['drafter state'])}"
+                   if r["draft windows"] + r["drafter state"] else ""))
 
     def clear_prefix_cache(self) -> int:
         """Drops every prefix-cache entry no running request resumed from (their pages and checkpoints
@@ -365,7 +368,7 @@ class Engine:
         try:
             if self.running:
                 batch = list(self.running)
-                run(batch, self._decode_forward(batch), batch)
+                run(batch, self._decode, batch)
             chunks = self._schedule_prefill()  # after the decode, so the slots it freed are reused at once
             if chunks:
                 batch, lengths = [r for r, _ in chunks], [n for _, n in chunks]
@@ -414,17 +417,21 @@ class Engine:
             if not isinstance(e, Exception):
                 raise
 
-    def _decode_forward(self, batch: list[Request]) -> Callable[[list[Request]], StepOutput | VerifyOutput]:
-        """A verify forward when the drafter has a guess for any request in the batch, else plain decode."""
+    def _decode(self, batch: list[Request]) -> StepOutput | VerifyOutput:
+        """The decode forward: a verify step when the drafter has a guess for any request in the batch (or
+        needs the hidden states only verify steps return), else plain decode. Inside the contained forward:
+        a drafter that fails fails the batch like any step."""
         drafts = self.drafter.propose(batch) if self.drafter is not None else None
         if not drafts or all(d is None for d in drafts) and not self.drafter.needs_hidden:
-            return self.runner.decode
+            return self.runner.decode(batch)
         K, full = self.num_speculative_tokens, []
         for req, draft in zip(batch, drafts):
-            draft = list(draft or [])[:K]
+            draft = [int(t) for t in (draft or [])[:K]]
+            if any(not 0 <= t < self.config.vocab_size for t in draft):
+                raise ValueError(f"the drafter proposed a token outside the vocabulary for request {req.request_id!r}")
             req.drafted = len(draft)
             full.append(draft + [draft[-1] if draft else req.output[-1]] * (K - len(draft)))  # stand-ins
-        return lambda reqs: self.runner.verify(reqs, full)
+        return self.runner.verify(batch, full)
 
     def _prefill(self, reqs: list[Request], lengths: list[int], checkpoints: dict) -> StepOutput:
         """The prefill forward, taking the planned prefix-cache checkpoints on the way."""

@@ -219,9 +219,60 @@ class TextModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if mtp_depths:  # the multi-token-prediction head, built only when asked for (`model.mtp.*`)
-            from .mtp import MtpHead
-
             self.mtp = MtpHead(config, mtp_depths)
+
+
+# ---- the multi-token-prediction head (inkling-mtp.md §3; the drafter that serves it is mtp.py) ---------
+
+class MtpDepth(nn.Module):
+    """One depth: input_proj(cat[hidden_norm(prev), embed_norm(embedded)]) (hidden first unless the config
+    says otherwise), then one decoder layer of the head's block config."""
+
+    def __init__(self, config: InklingConfig, block_config: InklingConfig, depth: int):
+        super().__init__()
+        H = config.hidden_size
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+        self.embed_norm = RMSNorm(H, config.rms_norm_eps)
+        self.input_proj = nn.Linear(2 * H, H, bias=False)
+        self.block = DecoderLayer(block_config, depth)
+        self.hidden_first = config.mtp_hidden_states_first
+
+    def forward(self, prev: torch.Tensor, embedded: torch.Tensor, ctx) -> torch.Tensor:
+        """prev [T, H], embedded [T, H] (the trunk's normed embedding of each x_{q+m}) -> block output."""
+        parts = [self.hidden_norm(prev), self.embed_norm(embedded)]
+        fused = linear(torch.cat(parts if self.hidden_first else parts[::-1], dim=-1), self.input_proj.weight)
+        return self.block(fused, ctx)
+
+
+class MtpHead(nn.Module):
+    """`depths` MTP depths (`model.mtp.layers.{i}`) and the optional `model.mtp.chain_norm`."""
+
+    def __init__(self, config: InklingConfig, depths: int):
+        super().__init__()
+        self.block_config = config.mtp_block(depths)
+        self.layers = nn.ModuleList(MtpDepth(config, self.block_config, i) for i in range(depths))
+        self.chain_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.chain_hidden_post_norm else None
+
+    def depth(self, index: int, prev: torch.Tensor, embedded: torch.Tensor, ctx) -> torch.Tensor:
+        """Depth `index` (0-based): its output, which is both what its logits read and the next depth's prev."""
+        y = self.layers[index](prev, embedded, ctx)
+        return self.chain_norm(y) if self.chain_norm is not None else y
+
+    @torch.no_grad()
+    def forward_sequence(self, model, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Every depth over one whole sequence from scratch: hidden [n, H] the target's final-normed hidden
+        at positions 0..n-1, tokens [n] the sequence. Depth m covers positions 0..n-1-m; returns its
+        logits there ([n-m, V]), depth by depth."""
+        outs, prev = [], hidden
+        for index in range(len(self.layers)):
+            m = index + 1
+            n = tokens.shape[0] - m
+            if n <= 0:
+                break
+            ctx = FullSequenceContext([n], self.block_config, tokens.device)
+            prev = self.depth(index, prev[:n], model.model.embed_tokens(tokens[m:m + n]), ctx)
+            outs.append(model.logits(prev))
+        return outs
 
 
 class InklingForCausalLM(nn.Module):

@@ -1,6 +1,6 @@
-"""Inkling's multi-token-prediction (MTP) head, and the drafter that runs it beside the engine.
+"""The drafter that runs Inkling's multi-token-prediction head (`model.MtpHead`) beside the engine.
 
-The recipe (`docs inkling-mtp.md` §3, where the public implementations agree): depth m (1-based) at
+The head's recipe (`docs inkling-mtp.md` §3, where the public implementations agree): depth m (1-based) at
 position q takes `prev`, the target's final-normed hidden h_q for m = 1 or depth m-1's output at q, and
 the token x_{q+m}; it fuses `input_proj(cat[hidden_norm(prev), embed_norm(E(x))])` (E = the trunk's
 embedding with its own embed norm; hidden first unless `mtp_hidden_states_first` is false), runs one
@@ -11,7 +11,7 @@ The next depth chains on that output. Each depth has its own conv windows and ke
 `MtpDrafter` keeps every depth's state exact: a depth's state at position q is extended only once the
 token it consumes there, x_{q+m}, is known for certain, so depth m lags the sequence by m positions.
 To draft from anchor P-1 (P: position of the newest token) each depth runs its missing positions with
-the drafts it needs, on a copy of its conv windows, and those runs leave nothing behind.
+the drafts it needs, reading its state and writing none of it.
 """
 
 from __future__ import annotations
@@ -20,74 +20,14 @@ import dataclasses
 import itertools
 
 import torch
-from torch import nn
 
 from .attention import attend
-from .config import GLOBAL, SLIDING, InklingConfig, LayerGeometry
+from .config import InklingConfig, LayerGeometry
 from .custom_ops.reference import packed_causal_conv
 from .errors import OptionError
-from .model import DecoderLayer, RMSNorm, linear
+from .model import MtpHead
 from .speculative import Drafter
 from .streams import MODEL_STREAMS
-
-
-def mtp_block_config(config: InklingConfig, depths: int) -> InklingConfig:
-    """The config a depth's decoder layer is built from: `depths` layers, each dense, sliding or global
-    as `mtp_local_layer_ids` says (all global when it is absent)."""
-    local = set(config.mtp_local_layer_ids or ())
-    return dataclasses.replace(config, num_hidden_layers=depths,
-                               layer_types=tuple(SLIDING if i in local else GLOBAL for i in range(depths)),
-                               mlp_layer_types=("dense",) * depths)
-
-
-class MtpDepth(nn.Module):
-    def __init__(self, config: InklingConfig, block_config: InklingConfig, depth: int):
-        super().__init__()
-        H = config.hidden_size
-        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
-        self.embed_norm = RMSNorm(H, config.rms_norm_eps)
-        self.input_proj = nn.Linear(2 * H, H, bias=False)
-        self.block = DecoderLayer(block_config, depth)
-        self.hidden_first = config.mtp_hidden_states_first
-
-    def forward(self, prev: torch.Tensor, embedded: torch.Tensor, ctx) -> torch.Tensor:
-        """prev [T, H], embedded [T, H] (the trunk's normed embedding of each x_{q+m}) -> block output."""
-        parts = [self.hidden_norm(prev), self.embed_norm(embedded)]
-        fused = linear(torch.cat(parts if self.hidden_first else parts[::-1], dim=-1), self.input_proj.weight)
-        return self.block(fused, ctx)
-
-
-class MtpHead(nn.Module):
-    """`depths` MTP depths (`model.mtp.layers.{i}`) and the optional `model.mtp.chain_norm`."""
-
-    def __init__(self, config: InklingConfig, depths: int):
-        super().__init__()
-        self.block_config = mtp_block_config(config, depths)
-        self.layers = nn.ModuleList(MtpDepth(config, self.block_config, i) for i in range(depths))
-        self.chain_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.chain_hidden_post_norm else None
-
-    def depth(self, index: int, prev: torch.Tensor, embedded: torch.Tensor, ctx) -> torch.Tensor:
-        """Depth `index` (0-based): its output, which is both what its logits read and the next depth's prev."""
-        y = self.layers[index](prev, embedded, ctx)
-        return self.chain_norm(y) if self.chain_norm is not None else y
-
-    @torch.no_grad()
-    def forward_sequence(self, model, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
-        """Every depth over one whole sequence from scratch: hidden [n, H] the target's final-normed hidden
-        at positions 0..n-1, tokens [n] the sequence. Depth m covers positions 0..n-1-m; returns its
-        logits there ([n-m, V]), depth by depth."""
-        from .contexts import FullSequenceContext
-
-        outs, prev = [], hidden
-        for index in range(len(self.layers)):
-            m = index + 1
-            n = tokens.shape[0] - m
-            if n <= 0:
-                break
-            ctx = FullSequenceContext([n], self.block_config, tokens.device)
-            prev = self.depth(index, prev[:n], model.model.embed_tokens(tokens[m:m + n]), ctx)
-            outs.append(model.logits(prev))
-        return outs
 
 
 # ---- serving: the drafter ---------------------------------------------------------------------------
@@ -209,6 +149,9 @@ class MtpDrafter(Drafter):
 
     def release(self, req) -> None:
         self.tracks.pop(req, None)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.states for t in (*s.conv.values(), s.keys, s.values)]
 
     # ---- what the target did ----------------------------------------------------------------------
 

@@ -35,6 +35,10 @@ class Drafter:
     def attach(self, pool, max_model_len: int) -> None:
         """Called once the engine's pool exists (slot ids are the pool's), before any request."""
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What the drafter keeps on the device (the memory report counts it)."""
+        return []
+
     def propose(self, reqs: list) -> list[list[int] | None]:
         raise NotImplementedError
 

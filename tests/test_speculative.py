@@ -218,6 +218,36 @@ def test_speculative_options_are_checked(checkpoint):
 
 # ---- the engine ---------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def copying(tmp_path_factory):
+    """A tiny checkpoint whose layers all use a sliding window, and prompts whose continuation copies a
+    span of the prompt (`bench.copy_prompts`): prompt lookup's best case, with transformers' outputs."""
+    from inkling_compiled.bench import copy_prompts, sliding_only
+    from inkling_compiled.tiny import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path_factory.mktemp("sliding"), "tiny", overrides=sliding_only("tiny"))
+    plain = Engine.from_pretrained(path, compile=False, max_batch_size=4, max_model_len=256, progress=False)
+    prompts = copy_prompts(plain, [random_prompt(16, seed=120 + i) for i in range(3)], overlap=40,
+                           new_tokens=GREEDY.max_new_tokens)
+    hf = pytest.importorskip("transformers").InklingForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = []
+    for p in prompts:
+        ids = hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_new_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        want.append(ids[0, len(p):].tolist())
+    return path, prompts, want
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_ngram_on_prompts_the_output_copies_accepts_nearly_everything(K, copying):
+    path, prompts, want = copying
+    engine = Engine.from_pretrained(path, compile=False, max_batch_size=4, max_model_len=256, progress=False,
+                                    speculative="ngram", num_speculative_tokens=K)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == want
+    stats = engine.stats()
+    assert stats["acceptance_rate"] > 0.8 and stats["mean_tokens_per_step"] > 1 + 0.6 * K
+
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], random_prompt(7, seed=11), random_prompt(19, seed=12),
            [40, 41, 40, 41, 40, 41, 40]]
 
@@ -413,3 +443,26 @@ def test_compiled_verify_equals_eager_plain_decoding_across_a_split_batch(checkp
         assert out.token_ids == w.token_ids
         assert max(abs(a - b) for a, b in zip(out.logprobs, w.logprobs)) < 1e-4
     assert engine.stats()["mean_tokens_per_step"] > 1.5
+
+
+def test_a_failing_drafter_fails_its_batch_and_the_engine_serves_on(checkpoint, plain_outputs):
+    class Flaky(Drafter):
+        def __init__(self, failure):
+            self.calls, self.failure = 0, failure
+
+        def propose(self, reqs):
+            self.calls += 1
+            if self.calls == 2:
+                return self.failure(reqs)
+            return [None for _ in reqs]
+
+    def explode(reqs):
+        raise RuntimeError("drafter exploded")
+
+    prompt = random_prompt(6, seed=7)
+    for failure, needle in ((explode, "drafter exploded"), (lambda reqs: [[10**6]] * len(reqs), "outside the vocabulary")):
+        engine = engine_for(checkpoint, max_batch_size=2, max_model_len=64, speculative=Flaky(failure))
+        outs = engine.generate([[5, 6, 7], [8, 9]], GREEDY)
+        assert all(o.finish_reason == "error" and needle in o.error for o in outs)
+        assert engine.generate([prompt], GREEDY)[0].token_ids == plain_outputs("tiny", [prompt])[0].token_ids
+        assert engine.pool.slots.num_free == engine.pool.slots.capacity
