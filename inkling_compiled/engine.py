@@ -93,8 +93,8 @@ class Engine:
         pages_per_seq = pages_for(max_model_len, page_size)
         dtype = model.lm_head.weight.dtype
         # Speculative decoding: K drafts per request and step, checked by one verify forward.
-        self.num_speculative_tokens = option_int("num_speculative_tokens", num_speculative_tokens, 1,
-                                                 MAX_SPECULATIVE_TOKENS) if speculative is not None else 0
+        option_int("num_speculative_tokens", num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        self.num_speculative_tokens = num_speculative_tokens if speculative is not None else 0
         self.drafter = make_drafter(speculative, self.num_speculative_tokens, model)  # checked before any allocation
         self.speculative = speculative if speculative is None or isinstance(speculative, str) \
             else type(speculative).__name__
@@ -292,7 +292,8 @@ class Engine:
             "prefix checkpoints": size([*pool.conv_checkpoints.values(), *pool.ring_checkpoints]),
             "draft windows": size(pool.intermediate_conv_window.values()),
             "drafter state": size(self.drafter.state_tensors()) if self.drafter is not None else 0,
-            "step metadata": buffers.decode_region.bytes.numel() + buffers.prefill_region.bytes.numel(),
+            "step metadata": sum(r.bytes.numel() for r in (buffers.decode_region, buffers.prefill_region,
+                                                            buffers.verify_region) if r is not None),
             "slots": pool.max_slots, "pages": pool.num_pages - 1, "page_size": pool.page_size,
             "checkpoints": pool.checkpoints.capacity,
         }
@@ -429,8 +430,10 @@ class Engine:
             draft = [int(t) for t in (draft or [])[:K]]
             if any(not 0 <= t < self.config.vocab_size for t in draft):
                 raise ValueError(f"the drafter proposed a token outside the vocabulary for request {req.request_id!r}")
+            # A token past the logits (the unpadded vocabulary) can never be the target's: the draft ends there.
+            draft = list(itertools.takewhile(lambda t: t < self.config.logits_vocab_size, draft))
             req.drafted = len(draft)
-            full.append(draft + [draft[-1] if draft else req.output[-1]] * (K - len(draft)))  # stand-ins
+            full.append(draft + [req.output[-1]] * (K - len(draft)))  # stand-ins, never accepted
         return self.runner.verify(batch, full)
 
     def _prefill(self, reqs: list[Request], lengths: list[int], checkpoints: dict) -> StepOutput:

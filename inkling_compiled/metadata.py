@@ -57,6 +57,7 @@ class StepMetadata(msgspec.Struct):
     top_p: Annotated[torch.Tensor, PerRow(torch.float32)]
     seed: Annotated[torch.Tensor, PerRow(torch.int64)]  # 32-bit key mixed from the request's 64-bit seed
     sample_counter: Annotated[torch.Tensor, PerRow(torch.int64)]  # index of the token being generated
+    drafted: Annotated[torch.Tensor, PerRow(torch.int64)]  # real drafts in a verify row (the rest stand in)
     draft_tokens: int = 0  # K in a verify step (each row: its newest token, then K drafts); 0 otherwise
 
 
@@ -296,9 +297,10 @@ class StepBuffers:
         return self._publish("prefill", rows, tokens)
 
     def prepare_verify(self, tokens: list[list[int]], slots: list[int], cached_lens: list[int], limits: list[int],
-                       sampling: list[RowSampling], pad_to: int | None = None) -> StepMetadata:
+                       drafted: list[int], sampling: list[RowSampling], pad_to: int | None = None) -> StepMetadata:
         """A speculative verify step: row i feeds tokens[i] (its newest token, then `draft_tokens` drafts) at
-        positions cached_lens[i].., continuing its slot's state without changing it. A token at or past
+        positions cached_lens[i].., continuing its slot's state without changing it; the first drafted[i]
+        drafts are real, the rest stand-ins. A token at or past
         limits[i] (beyond the row's pages: what it predicts could never be emitted) writes its keys to the
         dummy page, skips the ring and reads as if at position limits[i]-1, so nothing is read or written out
         of the row's bounds. Padded rows are slot 0 at positions 0..K, as in decode."""
@@ -316,7 +318,9 @@ class StepBuffers:
         slot, first = h["cache_indices"][:rows], h["positions"][:rows].copy()
         limit = np.zeros(rows, dtype=np.int64)
         limit[:n] = limits
-        limit[n:] = T_d  # a padded row writes only the dummies anyway
+        limit[n:] = 1  # a padded row: position 0 only, so its writes stay in the dummy page's first row
+        h["drafted"][:n] = drafted
+        h["drafted"][n:rows] = 0
         row_of = np.repeat(self._arange[:rows], T_d)
         pos = first[row_of] + np.tile(self._arange[:T_d], rows)
         writable = pos < limit[row_of]
@@ -331,4 +335,4 @@ class StepBuffers:
 
     def prepare_verify_padding(self, rows: int) -> StepMetadata:
         """A verify step of padding rows only (warm-up and capture)."""
-        return self.prepare_verify([], [], [], [], [], pad_to=rows)
+        return self.prepare_verify([], [], [], [], [], [], pad_to=rows)

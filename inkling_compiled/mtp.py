@@ -127,6 +127,7 @@ class MtpDrafter(Drafter):
     is a point mass: rejection sampling stays exact). Needs the engine's hidden states."""
 
     needs_hidden = True
+    extend_chunk = 256  # positions one depth takes in per row and call (a long prompt arrives all at once)
 
     def __init__(self, model, num_tokens: int):
         head: MtpHead | None = getattr(model.model, "mtp", None)
@@ -164,8 +165,9 @@ class MtpDrafter(Drafter):
                                                   [{} for _ in range(self.depths)])
                 for state in self.states:
                     state.clear(slot)
+            rows = hidden[start:start + n].clone()  # its own copy: the packed step output can go
             for j in range(n):
-                track.pending[0][req.prefilled + j] = hidden[start + j]
+                track.pending[0][req.prefilled + j] = rows[j]
 
     def observe_tokens(self, reqs: list, emitted: list[int], hidden: torch.Tensor | None) -> None:
         for i, (req, n) in enumerate(zip(reqs, emitted)):
@@ -210,14 +212,23 @@ class MtpDrafter(Drafter):
         return [drafts.get(r) or None for r in reqs]
 
     def _extend(self, index: int, live: list) -> dict[object, dict[int, torch.Tensor]]:
-        """Depth `index` takes in every position whose inputs are all known for certain: its state grows,
-        its outputs wait for the next depth. Returns the outputs by request and position."""
+        """Depth `index` takes in every position whose inputs are all known for certain, `extend_chunk`
+        positions per row and call: its state grows, its outputs wait for the next depth. Returns the
+        outputs by request and position."""
+        outputs: dict[object, dict[int, torch.Tensor]] = {}
+        while chunk := self._extend_chunk(index, live):
+            for req, taken in chunk.items():
+                outputs.setdefault(req, {}).update(taken)
+        return outputs
+
+    def _extend_chunk(self, index: int, live: list) -> dict[object, dict[int, torch.Tensor]]:
         m = index + 1
         runs = []
         for req, track in live:
             known = req.prompt + req.output
             first, prev = track.done[index], []
-            while first + len(prev) + m < len(known) and first + len(prev) in track.pending[index]:
+            while len(prev) < self.extend_chunk and first + len(prev) + m < len(known) \
+                    and first + len(prev) in track.pending[index]:
                 prev.append(track.pending[index][first + len(prev)])
             if prev:
                 runs.append((req, track, first, prev, known[first + m:first + m + len(prev)]))

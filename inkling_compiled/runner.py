@@ -84,8 +84,8 @@ def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bo
     hidden = model.hidden_states(md.input_ids, backend.context)
     logits = model.logits(hidden)
     B = logits.shape[0] // T_d
-    tokens, accepted, logprobs = verify_drafts(logits.view(B, T_d, -1), md.input_ids.view(B, T_d), md.temperature,
-                                               md.top_k, md.top_p, md.seed, md.sample_counter)
+    tokens, accepted, logprobs = verify_drafts(logits.view(B, T_d, -1), md.input_ids.view(B, T_d), md.drafted,
+                                               md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
     chosen, top_ids, top_vals = _top(tokens.reshape(-1), logprobs)
     out = (tokens, accepted, chosen.view(B, T_d), top_ids.view(B, T_d, -1), top_vals.view(B, T_d, -1))
     return (*out, hidden.view(B, T_d, -1)) if with_hidden else out
@@ -171,7 +171,7 @@ class EagerRunner:
         with nvtx_range("prepare verify"):
             self.backend.prepare_verify([[r.output[-1], *d] for r, d in zip(reqs, drafts)], slots,
                                         [r.cached_len for r in reqs], [r.budget for r in reqs],
-                                        [r.sampling_row() for r in reqs], pad_to=pad_to)
+                                        [r.drafted for r in reqs], [r.sampling_row() for r in reqs], pad_to=pad_to)
         return slots
 
     def commit(self, slots: list[int], steps: torch.Tensor) -> None:
@@ -210,12 +210,15 @@ class CompiledRunner(EagerRunner):
         if verifier is not None:
             self.with_hidden = verifier.step.with_hidden
 
-    def decode(self, reqs) -> StepOutput:
+    def _wait_for_transfers(self) -> None:
+        """Graphs without a per-layer barrier: every layer's transfer completes before a replay starts."""
         pool = self.backend.pool
         if pool.layer_transfer_counter is not None and not pool.layer_transfer:
-            # graphs without a per-layer barrier: every layer's transfer completes before the replay
             with nvtx_range("wait for every layer's transfer"):
                 pool.wait_for_all_layers()
+
+    def decode(self, reqs) -> StepOutput:
+        self._wait_for_transfers()
         parts = []
         for start in range(0, len(reqs), self.decoder.largest):  # a batch over the largest bucket is split
             chunk = reqs[start:start + self.decoder.largest]
@@ -229,6 +232,7 @@ class CompiledRunner(EagerRunner):
         return self.verifier.bucket_for(rows)
 
     def verify(self, reqs, drafts: list[list[int]]) -> VerifyOutput:
+        self._wait_for_transfers()
         parts = []
         for start in range(0, len(reqs), self.verifier.largest):  # a batch over the largest bucket is split
             chunk = reqs[start:start + self.verifier.largest]

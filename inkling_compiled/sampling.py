@@ -90,7 +90,13 @@ def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torc
     ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
     x = _mix32(seed ^ ((counter * 0x27D4EB2D) & _MASK32))
     x = _mix32(x[:, None] ^ ((ids[None, :] * 0x165667B1) & _MASK32))
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(x)
+
+
+def unit_interval(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes to fp32 strictly inside (0, 1): the top 23 bits, centred. (24 bits would round the
+    largest to exactly 1.0 in fp32, whose Gumbel noise is +inf: that entry would win whatever its logit.)"""
+    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -118,14 +124,16 @@ def _per_token(row_values: torch.Tensor, tokens_per_row: int) -> torch.Tensor:
     return row_values[:, None].expand(-1, tokens_per_row).reshape(-1)
 
 
-def verify_drafts(logits: torch.Tensor, inputs: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor
+def verify_drafts(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Acceptance of K drafts per row, as one program (it runs inside the compiled verify step).
 
     logits [B, K+1, V] at each row's K+1 verify positions; inputs [B, K+1] the tokens fed in (the newest
-    token, then drafts d_1..d_K: position i's draft is d_{i+1}). Returns (tokens [B, K+1], accepted [B]
-    in 0..K, log-softmax [B*(K+1), V]): the row emits tokens[:accepted+1], the accepted drafts then one
+    token, then drafts d_1..d_K: position i's draft is d_{i+1}); drafted [B] how many of those drafts are
+    real (the rest are stand-ins that fill the row: never accepted, never removed from a distribution, so
+    a row without drafts gets exactly plain decoding's token). Returns (tokens [B, K+1], accepted [B] in
+    0..drafted, log-softmax [B*(K+1), V]): the row emits tokens[:accepted+1], the accepted drafts then one
     token of the target's own.
 
     Greedy rows accept a draft while it is the argmax, and take the argmax where they stop: exactly what
@@ -148,8 +156,9 @@ def verify_drafts(logits: torch.Tensor, inputs: torch.Tensor, temperature: torch
     position = torch.arange(T_d, device=logits.device)
     counters = (counter[:, None] + position).reshape(-1)
     noise = uniform_noise(_per_token(seed, T_d), counters, V + 1)
-    has_draft = (position < T_d - 1)[None, :].expand(B, -1).reshape(-1)
-    draft = torch.cat([inputs[:, 1:], inputs[:, :1]], dim=1).reshape(-1)  # the last column is a stand-in
+    has_draft = (position[None, :] < drafted[:, None]).reshape(-1)
+    # the last column is a stand-in; a stand-in may lie outside the logits (the unpadded vocabulary)
+    draft = torch.cat([inputs[:, 1:], inputs[:, :1]], dim=1).reshape(-1).clamp(0, V - 1)
     sampled_row = temperature_t > 0
     accept = torch.where(sampled_row, noise[:, V] < probs.gather(1, draft[:, None])[:, 0], draft == greedy)
     accept = (accept & has_draft).view(B, T_d)

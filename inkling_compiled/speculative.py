@@ -79,6 +79,8 @@ def make_drafter(kind: str | Drafter | None, num_tokens: int, model) -> Drafter 
     if kind is None:
         return None
     if isinstance(kind, Drafter):
+        if getattr(kind, "num_tokens", num_tokens) != num_tokens:
+            raise OptionError(f"the drafter was made for {kind.num_tokens} tokens; num_speculative_tokens={num_tokens}")
         kind.num_tokens = num_tokens
         return kind
     if kind not in SPECULATIVE:

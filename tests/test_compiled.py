@@ -12,6 +12,7 @@ from inkling_compiled.errors import CompileError
 from inkling_compiled.graphs import DEFAULT_BUCKETS, GraphRecorder, census
 from inkling_compiled.graphs.dump import pool_copies_in_code, pool_shapes
 from inkling_compiled.sampling import SamplingParams
+from inkling_compiled.speculative import Drafter
 from inkling_compiled.streams import STREAM_NAMES
 
 from conftest import PARITY_CONFIGS, PARITY_LENGTHS, random_prompt
@@ -320,11 +321,20 @@ class LateCounter:
         self.waits.append((layer_id, blocked))
 
 
-@pytest.mark.parametrize("compile, barrier", [(False, True), (True, True), (True, False)])
-def test_step_never_reads_a_layer_before_its_transfer(compile, barrier, checkpoint):
+class _TwoThrees(Drafter):
+    def propose(self, reqs):
+        return [[3, 3] for _ in reqs]
+
+
+@pytest.mark.parametrize("compile, barrier, verify", [(False, True, False), (True, True, False), (True, False, False),
+                                                      (True, True, True), (True, False, True)])
+def test_step_never_reads_a_layer_before_its_transfer(compile, barrier, verify, checkpoint):
     """Eager: the pool's accessors wait. Compiled with the barrier: one wait_layer op per layer, inside the
-    graph. Compiled without it: the step waits for every layer before the replay starts."""
-    kw = dict(buckets=(1,), compile_backend="inductor") if compile else {}
+    graph. Compiled without it: the step waits for every layer before the replay starts. The same for a
+    speculative verify step (its graphs on the eager backend, to keep the test short)."""
+    kw = dict(buckets=(1,), compile_backend="eager" if verify else "inductor") if compile else {}
+    if verify:
+        kw.update(speculative=_TwoThrees(), num_speculative_tokens=2)
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=compile, max_batch_size=2, layer_transfer=barrier,
                                     progress=False, **kw)
     rid = engine.add_request(random_prompt(11, seed=4), SamplingParams(max_new_tokens=5, ignore_eos=True,
@@ -334,9 +344,11 @@ def test_step_never_reads_a_layer_before_its_transfer(compile, barrier, checkpoi
     layers = range(engine.config.num_hidden_layers)
     host_copy = [[t.clone() for t in engine.pool.layer_state(i)] for i in layers]
     reference = engine.step()[0]
+    assert engine.stats()["verify_steps"] == int(verify)
 
-    # rewind: restore the state, forget the token, then wipe every layer and load it back late
-    req.output.pop(), req.logprobs.pop()
+    # rewind: restore the state, forget the step's tokens, then wipe every layer and load it back late
+    for _ in range(len(reference.token_ids) - 1):
+        req.output.pop(), req.logprobs.pop()
     for layer in layers:
         for t in engine.pool.layer_state(layer):
             t.fill_(float("nan"))

@@ -94,6 +94,7 @@ def test_drafts_equal_the_recipe_from_scratch(checkpoint):
     K = 4
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, max_model_len=96,
                                     speculative="mtp", num_speculative_tokens=K, progress=False)
+    engine.drafter.extend_chunk = 5  # a prompt taken in over several calls per depth
     prompts = [random_prompt(9, seed=70), random_prompt(14, seed=71)]
     for p in prompts:
         engine.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True))

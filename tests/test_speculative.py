@@ -139,8 +139,8 @@ def test_greedy_acceptance_is_the_longest_matching_prefix_plus_the_argmax():
         for i in range(K):
             inputs[row, i + 1] = argmax[row, i] if i < row else (argmax[row, i] + 1) % V
     zeros = torch.zeros(B)
-    tokens, accepted, _ = verify_drafts(logits, inputs, zeros, torch.zeros(B, dtype=torch.long), torch.ones(B),
-                                        torch.arange(B), torch.zeros(B, dtype=torch.long))
+    tokens, accepted, _ = verify_drafts(logits, inputs, torch.full((B,), K), zeros, torch.zeros(B, dtype=torch.long),
+                                        torch.ones(B), torch.arange(B), torch.zeros(B, dtype=torch.long))
     assert accepted.tolist() == [min(r, K) for r in range(B)]
     for row in range(B):
         a = accepted[row].item()
@@ -156,7 +156,7 @@ def test_rejection_sampling_keeps_the_target_distribution(top_k, top_p):
     temperature = 0.8
     inputs = torch.tensor([7 % V, 0, 1]).repeat(n, 1)  # draft 0 for position 0 (likely), 1 for position 1
     ones = torch.ones(n)
-    tokens, accepted, _ = verify_drafts(logits.repeat(n, 1, 1), inputs, ones * temperature,
+    tokens, accepted, _ = verify_drafts(logits.repeat(n, 1, 1), inputs, torch.full((n,), 2), ones * temperature,
                                         torch.full((n,), top_k), ones * top_p, torch.arange(n) * 7919,
                                         torch.full((n,), 5))
 
@@ -178,6 +178,50 @@ def test_rejection_sampling_keeps_the_target_distribution(top_k, top_p):
     took_draft = accepted >= 1
     assert 0 < took_draft.sum() < n
     assert chi_square_ok(tokens[took_draft, 1], target(1))
+
+
+def test_a_row_without_drafts_samples_as_plain_decoding_does(checkpoint):
+    """Stand-ins fill a row whose drafter had nothing (or less than K): they are never accepted nor removed
+    from the distribution, so a seeded request without drafts gets plain decoding's tokens even when it
+    shares verify steps with requests that draft."""
+    class OnlySecond(Drafter):
+        def propose(self, reqs):
+            return [None if r.prompt == [12] else [7, 8][:self.num_tokens] for r in reqs]
+
+    params = [SamplingParams(max_new_tokens=16, temperature=1.0, top_k=2, seed=1, ignore_eos=True),
+              SamplingParams(max_new_tokens=16, ignore_eos=True)]
+    plain = engine_for(checkpoint, max_batch_size=2).generate([[12]], params[:1])[0]
+    spec = engine_for(checkpoint, max_batch_size=2, speculative=OnlySecond(), num_speculative_tokens=2)
+    outs = spec.generate([[12], [7, 8, 9] * 3 + [7, 8]], params)
+    assert spec.stats()["verify_steps"] > 0 and outs[0].spec_proposed == 0
+    assert outs[0].token_ids == plain.token_ids
+
+
+def test_uniform_noise_stays_inside_the_open_interval():
+    from inkling_compiled.sampling import unit_interval
+
+    extremes = unit_interval(torch.tensor([0, 0xFFFFFFFF, 0x80000000]))
+    assert (extremes > 0).all() and (extremes < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(extremes))).all()
+
+
+def test_drafts_past_the_logits_are_cut_not_failed(checkpoint, plain_outputs):
+    """Token ids in [unpadded vocab, vocab) are valid prompt tokens but never logits: prompt lookup may copy
+    them into drafts, which then end there instead of failing the batch."""
+    engine = engine_for(checkpoint, max_batch_size=2, max_model_len=640, speculative="ngram")
+    top = engine.config.logits_vocab_size  # 264 on tiny; the embedding has 272 rows
+    prompts = [[t for i in range(top) for t in (i, top + 1)], [11, 12, 13]]  # every token is followed by top+1
+    checked, verify = [], engine.runner.verify
+
+    def verify_checked(reqs, drafts):  # the real drafts (the first `drafted`) that reach the verify step
+        checked.extend(t for r, d in zip(reqs, drafts) for t in d[:r.drafted])
+        return verify(reqs, drafts)
+
+    engine.runner.verify = verify_checked
+    outs = engine.generate(prompts, GREEDY)
+    want = engine_for(checkpoint, max_batch_size=2, max_model_len=640).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert engine.stats()["verify_steps"] > 0 and all(t < top for t in checked)
 
 
 def test_same_seed_same_speculative_tokens_whatever_the_batch(checkpoint):
@@ -466,3 +510,24 @@ def test_a_failing_drafter_fails_its_batch_and_the_engine_serves_on(checkpoint, 
         assert all(o.finish_reason == "error" and needle in o.error for o in outs)
         assert engine.generate([prompt], GREEDY)[0].token_ids == plain_outputs("tiny", [prompt])[0].token_ids
         assert engine.pool.slots.num_free == engine.pool.slots.capacity
+
+
+def test_padding_rows_stay_in_bounds_when_k_outgrows_a_page(checkpoint):
+    """K+1 verify positions longer than a request's whole page table: padded rows (what warm-up runs) still
+    write only the dummy page's first row, and a real row's positions past its pages go to the dummy."""
+    engine = engine_for(checkpoint, max_batch_size=2, max_model_len=16, page_size=16, speculative="ngram",
+                        num_speculative_tokens=16)
+    md = engine.backend.buffers.prepare_verify_padding(2)
+    assert md.global_kv_loc.tolist() == [0] * 34 and (md.sliding_kv_loc[1:17] == -1).all()
+    out = engine.generate([[5, 6, 5, 6, 5]], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+    assert len(out.token_ids) == 10
+
+
+def test_a_refused_commit_changes_nothing():
+    """The C++ commit checks every stream and row before it copies anything."""
+    states = [torch.zeros(2, 4, 2, 3), torch.zeros(1, 4, 2, 5)]
+    windows = [torch.ones(2, 2, 3, 2, 3), torch.ones(1, 2, 2, 2, 5)]  # the second stream saved 2 steps, not 3
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.inkling.commit_conv_windows(states, windows, torch.tensor([1, 2], dtype=torch.int32),
+                                              torch.tensor([0, 2]))
+    assert all((s == 0).all() for s in states)

@@ -158,6 +158,12 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   const int64_t B = idx.size(0), T = windows.size(1), D = x.size(1), K = w.size(1), H = K - 1;
   TORCH_CHECK(x.size(0) == B * T && windows.size(0) >= B && windows.size(2) == H && windows.size(3) == D,
               "sconv_verify: x must hold T tokens per row and windows one [K-1, D] window per (row, token)");
+  TORCH_CHECK(state.size(1) == H && state.size(2) == D, "sconv_verify: state windows must be [K-1, D] = [", H, ", ",
+              D, "]");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t slot = idx.data_ptr<int32_t>()[b];
+    TORCH_CHECK(slot >= 0 && slot < state.size(0), "sconv_verify: bad slot ", slot);
+  }
   auto y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -193,25 +199,36 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
 void commit_conv_windows(at::TensorList states, at::TensorList windows, const at::Tensor& slots_in,
                          const at::Tensor& steps_in) {
   TORCH_CHECK(states.size() == windows.size(), "commit_conv_windows: one window tensor per pool stream");
+  TORCH_CHECK(slots_in.numel() == steps_in.numel(), "commit_conv_windows: one step per slot");
   const auto slots = slots_in.to(at::kLong).contiguous();
   const auto steps = steps_in.to(at::kLong).contiguous();
   const int64_t n = slots.numel();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* step = steps.data_ptr<int64_t>();
+  // Every check before any copy: a refused commit leaves every slot as it was.
   for (size_t s = 0; s < states.size(); ++s) {
-    at::Tensor state = states[s];
+    const at::Tensor& state = states[s];
     const at::Tensor& saved = windows[s];
     TORCH_CHECK(state.scalar_type() == at::kFloat && saved.scalar_type() == at::kFloat && state.dim() == 4 &&
                 saved.dim() == 5, "commit_conv_windows: fp32 states [L, slots, K-1, D] and windows [L, rows, T, K-1, D]");
-    const int64_t L = state.size(0), H = state.size(2), D = state.size(3);
+    TORCH_CHECK(saved.size(0) == state.size(0) && saved.size(3) == state.size(2) && saved.size(4) == state.size(3),
+                "commit_conv_windows: windows and states disagree on layers or window shape");
+    const int64_t D = state.size(3);
     TORCH_CHECK(state.stride(3) == 1 && state.stride(2) == D && saved.stride(4) == 1 && saved.stride(3) == D,
                 "commit_conv_windows: each window must be one contiguous run of (K-1)*D values");
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(step[i] < 0 || (slot[i] >= 0 && slot[i] < state.size(1) && step[i] < saved.size(2) &&
+                                  i < saved.size(1)),
+                  "commit_conv_windows: slot ", slot[i], " or step ", step[i], " out of range");
+  }
+  for (size_t s = 0; s < states.size(); ++s) {
+    at::Tensor state = states[s];
+    const at::Tensor& saved = windows[s];
+    const int64_t L = state.size(0), H = state.size(2), D = state.size(3);
     float* sp = state.data_ptr<float>();
     const float* wp = saved.data_ptr<float>();
     for (int64_t i = 0; i < n; ++i) {
       if (step[i] < 0) continue;
-      TORCH_CHECK(slot[i] >= 0 && slot[i] < state.size(1) && step[i] < saved.size(2) && i < saved.size(1),
-                  "commit_conv_windows: slot ", slot[i], " or step ", step[i], " out of range");
       for (int64_t l = 0; l < L; ++l)
         std::memcpy(sp + l * state.stride(0) + slot[i] * state.stride(1),
                     wp + l * saved.stride(0) + i * saved.stride(1) + step[i] * saved.stride(2), H * D * sizeof(float));

@@ -130,7 +130,7 @@ def _verify_kernel(x_ptr, state_ptr, w_ptr, idx_ptr, win_ptr, y_ptr, D, sx, ss_s
     """One program per (row, token, channel block). Token t of row b sees the row's tokens before it and,
     further back, the slot's window, which is only read; it saves the window after itself: entries
     t+1..t+K-1 of [window ++ the row's tokens]."""
-    b, t = tl.program_id(0), tl.program_id(1)
+    b, t = tl.program_id(0).to(tl.int64), tl.program_id(1)
     d = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     dm = d < D
     slot = tl.load(idx_ptr + b).to(tl.int64)
@@ -171,7 +171,8 @@ def sconv_verify(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cac
 def _commit_kernel(state_ptr, win_ptr, slot_ptr, step_ptr, n, ss_layer, ss_slot, sv_layer, sv_row, sv_step,
                    BLOCK: tl.constexpr):
     """One program per (verify row, layer, block of the window's (K-1)*D contiguous values)."""
-    i, layer = tl.program_id(0), tl.program_id(1)
+    # int64: layer x the layer stride outgrows int32 on big pools (66 layers of 257 rows x 9 steps x 3 x 6144)
+    i, layer = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     step = tl.load(step_ptr + i).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
