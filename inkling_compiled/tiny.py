@@ -7,6 +7,7 @@ are written with the safetensors library only; transformers is not needed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -141,8 +142,10 @@ def build_tiny_checkpoint(out_dir: str | Path, name: str = "tiny", *, seed: int 
 
 
 def embedded_checkpoint(name: str = "tiny") -> Path:
-    """The demo's checkpoint: built on first use under the cache dir, reused afterwards."""
-    path = default_cache_dir() / "checkpoints" / f"{name}-seed0"
+    """The demo's checkpoint: built on first use under the cache dir, reused afterwards. The folder is
+    named after the config's contents, so a changed config (an MTP head added, say) builds a new one."""
+    digest = hashlib.sha256(json.dumps(TINY_CONFIGS[name], sort_keys=True).encode()).hexdigest()[:12]
+    path = default_cache_dir() / "checkpoints" / f"{name}-seed0-{digest}"
     if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         build_tiny_checkpoint(tmp, name)

@@ -255,3 +255,16 @@ def test_cuda_without_a_gpu_is_named(checkpoint):
 
     with pytest.raises(OptionError, match="'cuda' asked for, but this torch sees no CUDA device"):
         Engine.from_pretrained(checkpoint("tiny"), device="cuda", compile=False)
+
+
+def test_the_embedded_checkpoint_follows_its_config(tmp_path, monkeypatch):
+    """The demo's cached checkpoint is named after its config: one built before a config change (an MTP
+    head added, say) is not reused after it."""
+    from inkling_compiled import tiny
+
+    monkeypatch.setenv("INKLING_CACHE_DIR", str(tmp_path))
+    first = tiny.embedded_checkpoint("tiny-k3")
+    assert tiny.embedded_checkpoint("tiny-k3") == first
+    monkeypatch.setitem(tiny.TINY_CONFIGS, "tiny-k3", {**tiny.TINY_CONFIGS["tiny-k3"], "route_scale": 3.0})
+    second = tiny.embedded_checkpoint("tiny-k3")
+    assert second != first and json.loads((second / "config.json").read_text())["route_scale"] == 3.0
