@@ -36,6 +36,7 @@ _DYNAMO_STATE = threading.RLock()
 BACKENDS = ("inductor", "eager", "aot_eager", "tensorrt")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 RECORDING_CALLS = 2  # calls after a bucket's first that CUDA graph trees take to record its graph
+_PLANNED_GRAPHS = 0  # graphs every decoder made in this process may compile (one per bucket at most)
 
 
 def choose_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
@@ -110,9 +111,14 @@ class CompiledDecoder:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
         # Each graph is a recompile of the same frame (and every engine in the process shares that
         # frame's cache); leave room for all of them.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(buckets) + 8)
+        # Entries of decoders made earlier in the process stay in that cache (a graph per bucket each, at
+        # most), so the limits grow with every decoder made.
+        global _PLANNED_GRAPHS
+        _PLANNED_GRAPHS += len(buckets)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   _PLANNED_GRAPHS + 4 * len(buckets) + 8)
         torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 16 * len(buckets) + 64)
+            torch._dynamo.config.accumulated_recompile_limit, 2 * _PLANNED_GRAPHS + 16 * len(buckets) + 64)
         if mode is not None and mode not in MODES:
             raise OptionError(f"unknown compile mode {mode!r}: choose one of {', '.join(MODES)} (or None)")
         # On CPU, inductor's C++ wrapper replaces the Python code that launches each kernel, which is a

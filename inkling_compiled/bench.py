@@ -38,10 +38,10 @@ def bench_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> d
     def run() -> tuple[float, int, int]:
         for p in prompts:
             engine.add_request(p, params)
-        engine.step()  # prefill + first tokens, untimed (a prefill over several steps too)
-        while engine.waiting or engine.prefilling:
-            engine.step()
-        tokens = len(prompts) * new_tokens - sum(len(r.output) for r in engine.running)
+        produced = {o.request_id: len(o.token_ids) for o in engine.step()}  # prefill + first tokens, untimed
+        while engine.waiting or engine.prefilling:  # a prefill over several steps too
+            produced.update((o.request_id, len(o.token_ids)) for o in engine.step())
+        tokens = len(prompts) * new_tokens - sum(produced.values())  # the timed steps' tokens
         steps, t0 = 0, time.perf_counter()
         while engine.has_unfinished():
             engine.step()

@@ -102,7 +102,7 @@ class Engine:
         # At least one: a cache that can keep no state at any boundary could never be resumed from.
         checkpoints = None if prefix_checkpoints is None else option_int("prefix_checkpoints", prefix_checkpoints, 1)
         checkpoints = checkpoints if prefix_cache else 0
-        self.unit_costs = UnitCosts.of(config, page_size, dtype, config.sliding_window_size + draft_tokens)
+        self.unit_costs = UnitCosts.of(config, page_size, dtype, draft_tokens)
         if state_memory_bytes is not None:  # one budget: slots first, then checkpoints, then pages
             if num_pages is not None:
                 raise OptionError("give num_pages or state_memory_bytes, not both: the budget decides the pages")
@@ -422,11 +422,10 @@ class Engine:
         """The decode forward: a verify step when the drafter has a guess for any request in the batch (or
         needs the hidden states only verify steps return), else plain decode. Inside the contained forward:
         a drafter that fails fails the batch like any step."""
-        drafts = self.drafter.propose(batch) if self.drafter is not None else None
-        if not drafts or all(d is None for d in drafts) and not self.drafter.needs_hidden:
+        if self.drafter is None:
             return self.runner.decode(batch)
         K, full = self.num_speculative_tokens, []
-        for req, draft in zip(batch, drafts):
+        for req, draft in zip(batch, self.drafter.propose(batch)):
             draft = [int(t) for t in (draft or [])[:K]]
             if any(not 0 <= t < self.config.vocab_size for t in draft):
                 raise ValueError(f"the drafter proposed a token outside the vocabulary for request {req.request_id!r}")
@@ -434,6 +433,8 @@ class Engine:
             draft = list(itertools.takewhile(lambda t: t < self.config.logits_vocab_size, draft))
             req.drafted = len(draft)
             full.append(draft + [req.output[-1]] * (K - len(draft)))  # stand-ins, never accepted
+        if not any(r.drafted for r in batch) and not self.drafter.needs_hidden:
+            return self.runner.decode(batch)
         return self.runner.verify(batch, full)
 
     def _prefill(self, reqs: list[Request], lengths: list[int], checkpoints: dict) -> StepOutput:
@@ -566,10 +567,6 @@ class Engine:
         T_d = self.num_speculative_tokens + 1
         emitted = []
         for i, req in enumerate(reqs):
-            req.spec_proposed += req.drafted
-            req.spec_accepted += min(accepted[i], req.drafted)
-            self.counters["spec_proposed"] += req.drafted
-            self.counters["spec_accepted"] += min(accepted[i], req.drafted)
             n = 0
             for j in range(i * T_d, i * T_d + accepted[i] + 1):
                 self._append(req, flat.tokens[j], flat.chosen_logprobs[j], flat.top_ids[j], flat.top_logprobs[j])
@@ -577,6 +574,11 @@ class Engine:
                 if req.finish_reason is not None:
                     break
             emitted.append(n)
+            taken = min(accepted[i], req.drafted, n)  # drafts accepted and emitted (a stop may come first)
+            req.spec_proposed += req.drafted
+            req.spec_accepted += taken
+            self.counters["spec_proposed"] += req.drafted
+            self.counters["spec_accepted"] += taken
         self.counters["verify_steps"] += 1
         self._count_decode(reqs, emitted, out.hidden, verify=True)
 

@@ -174,7 +174,7 @@ class StepBuffers:
         self.symbolic_batch: range | None = None
         self._decode_views: dict[int, dict[str, torch.Tensor]] = {}  # rows -> the fields of a decode step
         self._verify_views: dict[int, dict[str, torch.Tensor]] = {}  # rows -> the fields of a verify step
-        self._arange = np.arange(self.max_tokens + 1, dtype=np.int64)
+        self._arange = np.arange(max(self.max_tokens, max_batch_size * (draft_tokens + 1)) + 1, dtype=np.int64)
         self._block_table = block_table_host.numpy()  # the pool's host mirror: shares its memory
         self._h = self.decode_region.host  # the host fields of the step being prepared
 

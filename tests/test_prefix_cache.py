@@ -221,19 +221,23 @@ def test_prefix_options_are_checked(kwargs, needle, checkpoint):
         engine_for(checkpoint, "tiny", **kwargs)
 
 
-def test_one_state_budget_is_split_and_reported(checkpoint):
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_one_state_budget_is_split_and_reported(speculative, checkpoint):
     """state_memory_bytes: the slots first, then checkpoints (4 per slot, at most a quarter of what is
-    left), then KV pages; the memory report counts the tensors the pool really holds."""
+    left), then KV pages; the memory report counts the tensors the pool really holds. With speculative
+    decoding a slot costs its longer rings and its row of draft windows too."""
     from inkling_compiled.errors import OptionError
 
-    engine = engine_for(checkpoint, "tiny", state_memory_bytes=2**20)
+    engine = engine_for(checkpoint, "tiny", state_memory_bytes=2**20, speculative=speculative)
     report, costs = engine.memory_report(), engine.unit_costs
-    slots = report["slot conv windows"] + report["slot sliding rings"]
+    slots = report["slot conv windows"] + report["slot sliding rings"] + report["draft windows"]
+    assert (report["draft windows"] > 0) == (speculative is not None)
     assert slots == (report["slots"] + 1) * costs.slot
     assert report["prefix checkpoints"] == (report["checkpoints"] + 1) * costs.checkpoint
     assert report["KV pages"] == (report["pages"] + 1) * costs.page
     assert report["checkpoints"] == min(4 * 4, (2**20 - 5 * costs.slot) // 4 // costs.checkpoint - 1)
-    held = sum(report[k] for k in ("slot conv windows", "slot sliding rings", "KV pages", "prefix checkpoints"))
+    held = sum(report[k] for k in ("slot conv windows", "slot sliding rings", "draft windows", "KV pages",
+                                   "prefix checkpoints"))
     assert 2**20 - costs.page < held <= 2**20  # the whole budget, to a page
     (out,) = engine.generate([random_prompt(30, seed=1)], PARAMS)
     assert out.finish_reason == "length"

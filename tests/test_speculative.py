@@ -342,6 +342,8 @@ def test_stops_and_length_inside_an_accepted_run(checkpoint, plain_outputs):
     assert outs[0].token_ids == long[0].token_ids[:first_stop + 1] and outs[0].finish_reason == "stop"
     assert outs[1].token_ids == long[1].token_ids[:7] and outs[1].finish_reason == "length"
     assert outs[2].token_ids == long[2].token_ids[:3]
+    assert outs[2].spec_accepted == 2  # every draft was right, but only two fit before the length
+    assert all(o.spec_accepted <= len(o.token_ids) - 1 for o in outs)  # counted: accepted and emitted
     assert engine.pool.slots.num_free == engine.pool.slots.capacity
 
 
@@ -512,6 +514,17 @@ def test_a_failing_drafter_fails_its_batch_and_the_engine_serves_on(checkpoint, 
         assert engine.pool.slots.num_free == engine.pool.slots.capacity
 
 
+def test_k_larger_than_the_prefill_chunk_and_the_batch(checkpoint, plain_outputs):
+    """The verify buffers are sized for K+1 tokens per row even when a prefill chunk and the batch are both
+    smaller than that."""
+    prompt = random_prompt(7, seed=9)
+    engine = engine_for(checkpoint, max_batch_size=1, prefill_chunk_tokens=2, speculative="ngram",
+                        num_speculative_tokens=4)
+    engine.drafter.lookup = lambda tokens: [3, 4, 5, 6]  # always a draft: every step verifies
+    out = engine.generate([prompt], GREEDY)[0]
+    assert out.token_ids == plain_outputs("tiny", [prompt])[0].token_ids and engine.stats()["verify_steps"] > 0
+
+
 def test_padding_rows_stay_in_bounds_when_k_outgrows_a_page(checkpoint):
     """K+1 verify positions longer than a request's whole page table: padded rows (what warm-up runs) still
     write only the dummy page's first row, and a real row's positions past its pages go to the dummy."""
@@ -531,3 +544,13 @@ def test_a_refused_commit_changes_nothing():
         torch.ops.inkling.commit_conv_windows(states, windows, torch.tensor([1, 2], dtype=torch.int32),
                                               torch.tensor([0, 2]))
     assert all((s == 0).all() for s in states)
+
+
+def test_recompile_limits_leave_room_for_every_verify_graph_in_the_process(checkpoint):
+    """Every speculative engine adds a static verify graph per bucket to the one cache of VerifyStep.forward,
+    and entries of engines gone stay in it: the limits grow with each engine made (else the n-th engine's
+    warm-up fails on Dynamo's recompile limit)."""
+    engines = [engine_for(checkpoint, compile=True, warmup=False, max_batch_size=4, buckets=(1, 2, 4),
+                          compile_backend="eager", speculative="ngram") for _ in range(12)]
+    graphs = sum(len(e.verifier.buckets) + len(e.decoder.buckets) for e in engines)
+    assert torch._dynamo.config.recompile_limit > graphs

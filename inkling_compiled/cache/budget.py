@@ -19,20 +19,23 @@ from ..streams import StreamTable
 
 @dataclasses.dataclass(frozen=True)
 class UnitCosts:
-    slot: int  # bytes of one slot's conv windows and sliding rings
+    slot: int  # bytes of one slot's conv windows and sliding rings (and its row of speculative draft windows)
     page: int  # bytes of one KV page across the global layers
     checkpoint: int  # bytes of one prefix-cache checkpoint (a slot's state)
 
     @classmethod
-    def of(cls, config: InklingConfig, page_size: int, dtype: torch.dtype, ring_size: int | None = None) -> UnitCosts:
+    def of(cls, config: InklingConfig, page_size: int, dtype: torch.dtype, draft_tokens: int = 0) -> UnitCosts:
+        """With K-token speculation (draft_tokens=K) a slot's rings are K entries longer and its batch row
+        keeps a conv window per verify token (K+1 of them)."""
         streams, K = StreamTable(config), config.conv_kernel_size
         conv = sum(len(layers) * (K - 1) * streams.widths[name] * 4 for name, layers in streams.layers.items())
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        ring_size = ring_size or config.sliding_window_size
+        ring_size = config.sliding_window_size + draft_tokens
         ring = 2 * len(streams.sliding_layers) * ring_size * config.swa_num_key_value_heads \
             * config.swa_head_dim * itemsize
         page = 2 * len(streams.global_layers) * page_size * config.num_key_value_heads * config.head_dim * itemsize
-        return cls(slot=conv + ring, page=page, checkpoint=conv + ring)
+        draft_windows = conv * (draft_tokens + 1) if draft_tokens else 0
+        return cls(slot=conv + ring + draft_windows, page=page, checkpoint=conv + ring)
 
 
 def split_budget(costs: UnitCosts, budget: int, *, max_batch_size: int, checkpoints: int | None,
