@@ -30,8 +30,6 @@ from .speculative import Drafter
 from .streams import MODEL_STREAMS
 
 
-# ---- serving: the drafter ---------------------------------------------------------------------------
-
 @dataclasses.dataclass
 class _Rows:
     """One packed call of one depth: per row its slot, first position and token count."""
