@@ -579,12 +579,10 @@ class Engine:
             req.spec_accepted += taken
             self.counters["spec_proposed"] += req.drafted
             self.counters["spec_accepted"] += taken
-        self.counters["verify_steps"] += 1
         self._count_decode(reqs, emitted, out.hidden, verify=True)
 
     def _count_decode(self, reqs: list[Request], emitted: list[int], hidden, verify: bool = False) -> None:
-        if not verify:
-            self.counters["decode_steps"] += 1
+        self.counters["verify_steps" if verify else "decode_steps"] += 1
         self.counters["row_steps"] += len(reqs)
         self.counters["decode_tokens"] += sum(emitted)
         if self.drafter is not None:

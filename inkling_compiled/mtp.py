@@ -181,16 +181,17 @@ class MtpDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, reqs: list) -> list[list[int] | None]:
         live = [(r, self.tracks[r]) for r in reqs if r in self.tracks]
+        sequences = {r: r.prompt + r.output for r, _ in live}  # every token known for certain, per request
         drafts: dict[object, list[int]] = {r: [] for r, _ in live}
         previous_run: dict[object, dict[int, torch.Tensor]] = {}  # the last depth's draft-run outputs
         for index in range(self.depths):
             m = index + 1
-            outputs = self._extend(index, live)
+            outputs = self._extend(index, live, sequences)
             runs = []
             for req, track in live:
                 if len(drafts[req]) < index:
                     continue  # an earlier depth could not draft for it
-                known = req.prompt + req.output
+                known = sequences[req]
                 P = len(known) - 1  # the newest token's position; depth m drafts x_{P+m} from position P-1
                 first = track.done[index]  # positions first..P-1 are not in the state yet: run them
                 prev = [track.pending[index].get(q, previous_run.get(req, {}).get(q)) for q in range(first, P)]
@@ -201,29 +202,29 @@ class MtpDrafter(Drafter):
             for (req, _, first, _, _), out in zip(runs, self._run(index, runs, persist=False) if runs else []):
                 previous_run[req] = {first + j: h for j, h in enumerate(out)}
                 outputs.setdefault(req, {}).update(previous_run[req])
-            anchors = [(req, outputs[req][len(req.prompt) + len(req.output) - 2]) for req, _ in live
-                       if len(req.prompt) + len(req.output) - 2 in outputs.get(req, {})]
+            anchors = [(req, outputs[req][len(sequences[req]) - 2]) for req, _ in live
+                       if len(sequences[req]) - 2 in outputs.get(req, {})]
             if anchors:
                 logits = self.model.logits(torch.stack([h for _, h in anchors]))
                 for (req, _), token in zip(anchors, logits.argmax(-1).tolist()):
                     drafts[req].append(token)
         return [drafts.get(r) or None for r in reqs]
 
-    def _extend(self, index: int, live: list) -> dict[object, dict[int, torch.Tensor]]:
+    def _extend(self, index: int, live: list, sequences: dict) -> dict[object, dict[int, torch.Tensor]]:
         """Depth `index` takes in every position whose inputs are all known for certain, `extend_chunk`
         positions per row and call: its state grows, its outputs wait for the next depth. Returns the
         outputs by request and position."""
         outputs: dict[object, dict[int, torch.Tensor]] = {}
-        while chunk := self._extend_chunk(index, live):
+        while chunk := self._extend_chunk(index, live, sequences):
             for req, taken in chunk.items():
                 outputs.setdefault(req, {}).update(taken)
         return outputs
 
-    def _extend_chunk(self, index: int, live: list) -> dict[object, dict[int, torch.Tensor]]:
+    def _extend_chunk(self, index: int, live: list, sequences: dict) -> dict[object, dict[int, torch.Tensor]]:
         m = index + 1
         runs = []
         for req, track in live:
-            known = req.prompt + req.output
+            known = sequences[req]
             first, prev = track.done[index], []
             while len(prev) < self.extend_chunk and first + len(prev) + m < len(known) \
                     and first + len(prev) in track.pending[index]:
