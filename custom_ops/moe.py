@@ -16,23 +16,18 @@ def moe_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: to
                           down: torch.Tensor) -> torch.Tensor:
     """x [T, H]; expert_ids, weights [T, k]; gate_up [E, 2I, H] (rows [0, I) gate); down [E, H, I].
 
-    out[t] = sum_j weights[t, j] * down_e(silu(gate_e x) * up_e x) with e = expert_ids[t, j].
+    out[t] = sum_j weights[t, j] * down_e(silu(gate_e x) * up_e x) with e = expert_ids[t, j]; a negative id
+    is a choice this bank does not hold (another rank's expert, under expert parallelism): it adds nothing.
     """
     k = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # group (token, choice) pairs by expert
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    token_of = order // k
-    w = weights.reshape(-1)[order]
+    w = weights.reshape(-1)
     out = torch.zeros_like(x)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = token_of[start:start + n]
+    for e in flat[flat >= 0].unique().tolist():  # experts in order, each one's (token, choice) pairs in order
+        pairs = (flat == e).nonzero()[:, 0]
+        rows = pairs // k
         gate, up = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
-        out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[e]) * w[start:start + n, None])
-        start += n
+        out.index_add_(0, rows, F.linear(F.silu(gate) * up, down[e]) * w[pairs, None])
     return out
 
 

@@ -240,8 +240,9 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
 
 
-def iter_file_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """Yields (name, loader) for every tensor; a loader reads that one tensor from the mmap."""
+def iter_file_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
+    """Yields (name, loader) for every tensor; a loader reads that one tensor from the mmap, or with an
+    index (a tuple of slices) only that part of it, and with `shape=True` only its shape (the header)."""
     for f in files:
         try:
             handle = safe_open(str(f), framework="pt")
@@ -249,20 +250,28 @@ def iter_file_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], tor
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise CheckpointError(f"cannot read safetensors file {f.name}: {e}") from None
 
-        def load(name: str, handle=handle, f=f) -> torch.Tensor:
+        def load(name: str, index=None, shape: bool = False, handle=handle, f=f):
             try:
-                return handle.get_tensor(name)
+                if shape:
+                    return tuple(handle.get_slice(name).get_shape())
+                if index is None:
+                    return handle.get_tensor(name)
+                return handle.get_slice(name)[index] if index else handle.get_tensor(name)
             except Exception as e:
                 raise CheckpointError(f"cannot read tensor {name!r} from {f.name} (truncated file?): {e}") from None
 
         for name in names:
-            yield name, (lambda name=name, load=load: load(name))
+            yield name, (lambda index=None, shape=False, name=name, load=load: load(name, index, shape))
 
 
 def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable[[str, torch.Tensor], torch.Tensor],
-                      mtp_depths: int = 0) -> tuple[dict[str, torch.Tensor], str | None]:
+                      mtp_depths: int = 0, take=None) -> tuple[dict[str, torch.Tensor], str | None]:
     """Reads the text tower in transformers names, each tensor passed through `convert(name, t)`, and
     the first `mtp_depths` depths of the MTP head (deeper ones are skipped like other towers).
+
+    `take(name, read)` (a `parallel.TensorParallel.take`) keeps only part of each tensor: a tensor stored
+    under its transformers name is then read only there (its shape checked from the file's header); one
+    that needs converting (the original layout's fused tensors) is read whole, converted, then cut.
 
     Returns the tensors and a one-line report of skipped tower tensors (None if nothing was
     skipped). Raises one CheckpointError that lists every missing, unexpected and mis-shaped tensor.
@@ -297,17 +306,20 @@ def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable
                 unexpected.append(name)
                 continue
             targets, conversion = [hf], (lambda t: [t])
-        tensor = load()
-        for target, part in zip(targets, conversion(tensor)):
+        direct = take is not None and targets == [hf]
+        tensor = None if direct else load()
+        for target, part in zip(targets, [None] if direct else conversion(tensor)):
             want = expected.get(target)
-            got = tuple(part.shape)
+            got = load(shape=True) if direct else tuple(part.shape)
             if want is None:
                 unexpected.append(name)
             elif got != want and not _is_unpadded_head(target, got, config):
                 bad_shape.append(f"{target} (from {name}): expected {list(want)}, got {list(got)}")
                 misshaped.add(target)
+            elif direct:
+                out[target] = convert(target, take(target, lambda index: load(index)))
             else:
-                out[target] = convert(target, part)
+                out[target] = convert(target, part if take is None else take(target, lambda index: part[index]))
         del tensor
 
     missing = sorted(set(expected) - set(out) - misshaped)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Callable, Sequence
@@ -33,12 +35,14 @@ from .cache.prefix import Hit, PrefixCache
 from .checks import option_bool, option_int
 from .config import InklingConfig
 from .custom_ops.library import build_in_background
-from .errors import OptionError, RequestError
+from .errors import InklingError, OptionError, RequestError
 from .graphs import CompiledDecoder, choose_buckets
 from .kv_layout import pages_for
 from .loading import load_model, resolve_device
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
+from .parallel import runtime as parallel
+from .parallel.group import check_divisible
 from .progress import StageLog
 from .requests import Request, RequestOutput, prompt_ids, prompt_list
 from .runner import CompiledRunner, DecodeStep, EagerRunner, StepOutput, VerifyOutput, VerifyStep
@@ -68,7 +72,7 @@ class Engine:
                  specialize_batch_one: bool = False, layer_transfer: bool = False, warmup: bool = True,
                  progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
                  state_memory_bytes: int | None = None, host_cache_bytes: int = 0, speculative=None,
-                 num_speculative_tokens: int = 2, max_prefill_tokens=None):
+                 num_speculative_tokens: int = 2, max_prefill_tokens=None, ranks: parallel.Ranks | None = None):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         if max_prefill_tokens is not None:
@@ -80,6 +84,15 @@ class Engine:
                            ("prefix_cache", prefix_cache)):
             option_bool(name, flag)
         self.device = resolve_device(device)
+        # Tensor parallelism (`from_pretrained(..., tensor_parallel_size=N)`): this engine is one rank's.
+        self.ranks = ranks if ranks is not None and ranks.world > 1 else None
+        if self.ranks is not None:
+            self._check_parallel_options(dict(speculative=speculative, host_cache_bytes=host_cache_bytes))
+            if cpp_wrapper:
+                raise OptionError("cpp_wrapper=True is not supported with tensor parallelism: inductor's C++ wrapper "
+                                  "cannot call the collectives (torch 2.13); leave it None")
+            cpp_wrapper = False
+        self._closed: str | None = None  # why the engine no longer steps (closed, or a rank failed)
         self.max_batch_size = option_int("max_batch_size", max_batch_size)
         self.max_model_len = option_int("max_model_len", max_model_len, 2)
         page_size = option_int("page_size", page_size)
@@ -165,6 +178,8 @@ class Engine:
         StageLog(progress).finish(self.memory_summary())
         if compile and warmup:
             self.warm_up()
+        if self.ranks is not None and self.ranks.rank == 0:  # from now on every forward is sent to every rank
+            self.runner.mirror = parallel.StepMirror(self.ranks, self.pool, self.backend)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype=None, compile: bool = True,
@@ -178,9 +193,59 @@ class Engine:
         if kwargs.get("speculative") == "mtp":
             mtp_depths = option_int("num_speculative_tokens", kwargs.get("num_speculative_tokens", 2), 1,
                                     MAX_SPECULATIVE_TOKENS)
+        world = option_int("tensor_parallel_size", kwargs.pop("tensor_parallel_size", 1))
+        timeout = kwargs.pop("tensor_parallel_timeout", 300.0)
+        if world > 1:
+            return cls._from_pretrained_parallel(path, world, timeout, device, dtype, check_finite,
+                                                 dict(compile=compile, max_batch_size=max_batch_size, **kwargs))
         model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite, mtp_depths=mtp_depths)
         return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
                    max_batch_size=max_batch_size, **kwargs)
+
+    @classmethod
+    def _from_pretrained_parallel(cls, path, world: int, timeout, device, dtype, check_finite: bool,
+                                  options: dict) -> "Engine":
+        """Rank 0 of `world`: spawns ranks 1.. on this machine, or joins the group torchrun started (where
+        the other ranks serve rank 0's steps inside this call and exit when it closes the engine)."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise OptionError(f"tensor_parallel_timeout must be a positive number of seconds, got {timeout!r}")
+        cls._check_parallel_options(options)
+        check_divisible(InklingConfig.from_file(Path(path)), world)  # before any process starts
+        device = resolve_device(device)
+        load_options = dict(dtype=dtype, check_finite=check_finite)
+        # The other ranks only run the forwards rank 0 sends: which drafter proposes is rank 0's business,
+        # they need only the number of draft tokens to verify.
+        worker_options = {**options, "speculative": "ngram" if options.get("speculative") is not None else None,
+                          "progress": False}
+        if parallel.launched_by_torchrun():
+            ranks = parallel.join(world, device, float(timeout))
+            if ranks.rank != 0:
+                local = torch.device(device.type, int(os.environ.get("LOCAL_RANK", ranks.rank))) \
+                    if device.type == "cuda" else device
+                parallel.serve_rank(ranks, path, local, load_options, worker_options)
+                raise SystemExit(0)
+        else:
+            ranks = parallel.spawn(world, device, float(timeout), (str(path), str(device), load_options, worker_options))
+        try:
+            model, _ = load_model(path, device=device, tensor_parallel=(0, world, ranks.compute_group), **load_options)
+            engine = cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, ranks=ranks, **options)
+        except BaseException as e:
+            dead = ranks.dead()
+            ranks.close(graceful=False)
+            if dead is not None:
+                raise parallel.ParallelError(f"{dead} while the engine was starting") from e
+            raise
+        weakref.finalize(engine, ranks.close)  # at exit or when dropped, the other ranks go too
+        return engine
+
+    @staticmethod
+    def _check_parallel_options(options: dict) -> None:
+        if options.get("speculative") == "mtp":
+            raise OptionError("speculative='mtp' is not supported with tensor parallelism (the MTP head is not "
+                              "sharded): use speculative='ngram'")
+        if options.get("host_cache_bytes"):
+            raise OptionError("host_cache_bytes (the prefix cache's host tier) is not supported with tensor "
+                              "parallelism: leave it 0")
 
     def warm_up(self, buckets: Sequence[int] | None = None) -> dict[int, float]:
         """Compiles (or loads from the cache) the decode graphs of `buckets` (default: all) now, rather
@@ -195,6 +260,9 @@ class Engine:
         stages = StageLog(self._progress)
         t0 = time.perf_counter()
         with self._lock, self.torch_state.pinned():
+            if self.runner.mirror is not None:  # every rank compiles the same graphs, collectives and all
+                self._check_open()
+                self.runner.mirror.warm_up(buckets)
             seconds = self.decoder.warmup(progress=stages, buckets=buckets)
             if self.verifier is not None:
                 verify = self.verifier.warmup(progress=lambda message, done, total: stages(
@@ -215,6 +283,7 @@ class Engine:
         params = params if params is not None else SamplingParams()
         ids, budget = self._checked(prompt, params)
         with self._lock:
+            self._check_open()
             return self._queue(ids, params, budget, rid)
 
     def _checked(self, prompt, params: SamplingParams) -> tuple[list[int], int]:
@@ -329,6 +398,7 @@ class Engine:
         that advanced or finished (and of any that `generate` stepped past for this caller). Outputs of
         requests a `generate` call is waiting for go to that call instead."""
         with self._lock:
+            self._check_open()
             latest = dict(self._undelivered)
             latest.update((o.request_id, o) for o in self._step())  # cumulative: the newest one says it all
             self._undelivered.clear()
@@ -409,6 +479,8 @@ class Engine:
                 out = forward(reqs)
             self._record(reqs, out, sampled)
         except BaseException as e:
+            if self.ranks is not None:  # the ranks' collectives may be out of step: none of them can go on
+                self._stop_ranks(reqs, e)
             if isinstance(e, Exception):
                 log.exception("a step failed; failing its %d request(s)", len(reqs))
             for req in reqs:
@@ -417,6 +489,64 @@ class Engine:
                     self._release(req)
             if not isinstance(e, Exception):
                 raise
+
+    def _stop_ranks(self, reqs: list[Request], error: BaseException) -> None:
+        """A forward of a tensor-parallel engine failed: every rank is stopped, the engine's requests fail,
+        and the caller gets a ParallelError that says which rank went and how."""
+        cause, text = self.ranks.dead(), str(error).lower()
+        if cause is None and ("timed out" in text or "timeout" in text):
+            cause = (f"a rank did not answer within tensor_parallel_timeout={self.ranks.timeout:g} s "
+                     f"({type(error).__name__}: {error})")
+        cause = cause or f"{type(error).__name__}: {error}"
+        self.ranks.close(graceful=False)
+        self._closed = f"tensor-parallel step failed, every rank was stopped: {cause}"
+        for req in [*reqs, *self.running, *self.prefilling, *self.waiting]:
+            if req.finish_reason is None:
+                req.fail(self._closed)
+        self.waiting.clear()
+        self.running.clear()
+        self.prefilling.clear()
+        raise parallel.ParallelError(self._closed) from error
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise (parallel.ParallelError if self.ranks is not None else InklingError)(self._closed)
+
+    def close(self) -> None:
+        """Stops the engine: with tensor parallelism the other ranks exit (and the process group goes, so
+        another engine can start); later calls raise. Engines are also context managers."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = "the engine is closed"
+            if self.ranks is not None:
+                self.ranks.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def rank_report(self) -> dict:
+        """This rank's share: its rank, parameters held (count and bytes, and each one's shape), and the
+        census of every graph its compile backend recorded (a `graphs.GraphRecorder` backend)."""
+        from .graphs.census import census
+
+        params = dict(self.model.named_parameters())
+        recorder = getattr(self.decoder, "compiler", None)
+        return {"rank": self.ranks.rank if self.ranks is not None else 0,
+                "parameters": sum(p.numel() for p in params.values()),
+                "parameter_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+                "shapes": {name: tuple(p.shape) for name, p in params.items()},
+                "graphs": [census(gm) for gm in getattr(recorder, "graphs", [])]}
+
+    def parallel_report(self) -> list[dict]:
+        """`rank_report()` of every rank, rank 0 first (one entry without tensor parallelism)."""
+        with self._lock:
+            if self.runner.mirror is None:
+                return [self.rank_report()]
+            self._check_open()
+            return self.runner.mirror.reports(self.rank_report())
 
     def _decode(self, batch: list[Request]) -> StepOutput | VerifyOutput:
         """The decode forward: a verify step when the drafter has a guess for any request in the batch (or
@@ -654,6 +784,7 @@ class Engine:
                 raise RequestError(f"prompt {i}: {e}") from None
         final: dict[str, RequestOutput] = {}
         with self._lock:
+            self._check_open()
             rids = [self._queue(ids, p, budget, None) for ids, budget, p in checked]
             self._owners.update((rid, final) for rid in rids)
         try:

@@ -10,6 +10,7 @@ from .checkpoint import read_text_tensors
 from .config import InklingConfig
 from .errors import CheckpointError, OptionError
 from .model import InklingForCausalLM, keeps_fp32
+from .parallel.group import TensorParallel
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -53,13 +54,15 @@ def column_major(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-               check_finite: bool = True, mtp_depths: int = 0) -> tuple[InklingForCausalLM, str | None]:
+               check_finite: bool = True, mtp_depths: int = 0, tensor_parallel: tuple[int, int, str] | None = None
+               ) -> tuple[InklingForCausalLM, str | None]:
     """Builds the model on the meta device and assigns each checkpoint tensor as it is read.
 
     With check_finite (the default) every tensor is checked once, as loaded, for NaN and inf: a
     checkpoint with any is refused with the names of those tensors. Returns the model (eval mode, no
     grads) and the loader's skipped-tensor report. mtp_depths > 0 also loads that many depths of the
-    checkpoint's MTP head (an OptionError if it has fewer).
+    checkpoint's MTP head (an OptionError if it has fewer). `tensor_parallel` = (rank, world, group name)
+    loads that rank's shard only (`parallel.TensorParallel`): no tensor is read past the rank's slices.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -68,6 +71,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         raise OptionError(f"{mtp_depths} MTP depth(s) asked for, but the checkpoint's config has "
                           f"{config.num_mtp_layers or 0} (num_mtp_layers / mtp_config.num_nextn_predict_layers)")
     rows = config.logits_vocab_size
+    tp = TensorParallel(config, *tensor_parallel) if tensor_parallel is not None else None
 
     def convert(name: str, t: torch.Tensor) -> torch.Tensor:
         if name == "lm_head.weight" and t.shape[0] != rows:
@@ -88,13 +92,13 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
             non_finite.append(name)
         return out
 
-    tensors, report = read_text_tensors(path, config, convert_checked, mtp_depths)
+    tensors, report = read_text_tensors(path, config, convert_checked, mtp_depths, tp.take if tp is not None else None)
     if non_finite:
         shown = ", ".join(non_finite[:8]) + (f" and {len(non_finite) - 8} more" if len(non_finite) > 8 else "")
         raise CheckpointError(f"{Path(path)}: non-finite values (NaN or inf) in {shown}; "
                               "load with check_finite=False to accept them")
     with torch.device("meta"):
-        model = InklingForCausalLM(config, mtp_depths)
+        model = InklingForCausalLM(config, mtp_depths, tp)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval(), report

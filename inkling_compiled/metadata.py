@@ -138,10 +138,14 @@ class FieldRegion:
             self._copied.synchronize()
         return self.host
 
+    def used(self, tokens: int) -> int:
+        """Bytes a step with `tokens` tokens uses (up to the last field's used part)."""
+        return self.offsets[self.last] + tokens * BUFFER_SPECS[self.last].dtype.itemsize
+
     def publish(self, tokens: int) -> None:
-        """One copy of the bytes a step with `tokens` tokens uses (up to the last field's used part)."""
+        """One copy of the bytes a step with `tokens` tokens uses."""
         if self.staging is not self.bytes:
-            used = self.offsets[self.last] + tokens * BUFFER_SPECS[self.last].dtype.itemsize
+            used = self.used(tokens)
             self.bytes[:used].copy_(self.staging[:used], non_blocking=True)
             if self._copied is not None:  # on the stream the copy ran on: the device's, not the current one
                 self._copied.record(torch.cuda.current_stream(self.bytes.device))
@@ -177,6 +181,7 @@ class StepBuffers:
         self._arange = np.arange(max(self.max_tokens, max_batch_size * (draft_tokens + 1)) + 1, dtype=np.int64)
         self._block_table = block_table_host.numpy()  # the pool's host mirror: shares its memory
         self._h = self.decode_region.host  # the host fields of the step being prepared
+        self.last_step: tuple[str, int, int] | None = None  # (kind, rows, tokens) of the step last published
 
     def _region(self, kind: str) -> FieldRegion:
         return {"decode": self.decode_region, "prefill": self.prefill_region, "verify": self.verify_region}[kind]
@@ -196,6 +201,7 @@ class StepBuffers:
         """Copies the step's metadata to the device (if staged) and points the metadata at its fields."""
         region = self._region(kind)
         region.publish(tokens)
+        self.last_step = (kind, rows, tokens)
         kept = {"decode": self._decode_views, "verify": self._verify_views}.get(kind)
         views = kept.get(rows) if kept is not None else None
         if views is None:
@@ -214,6 +220,21 @@ class StepBuffers:
         for name, view in views.items():
             setattr(md, name, view)
         return md
+
+    def export(self) -> tuple[tuple[str, int, int], np.ndarray]:
+        """The step last prepared, to be loaded into another rank's buffers: ((kind, rows, tokens), the
+        host bytes it uses)."""
+        kind, rows, tokens = self.last_step
+        region = self._region(kind)
+        return self.last_step, region.staging.numpy()[:region.used(tokens)]
+
+    def load(self, step: tuple[str, int, int], data: np.ndarray) -> StepMetadata:
+        """Another rank's exported step, made this one's (what `prepare_*` would have written)."""
+        kind, rows, tokens = step
+        region = self._region(kind)
+        region.writable()
+        region.staging.numpy()[:len(data)] = data
+        return self._publish(kind, rows, tokens)
 
     def _mark_symbolic(self, view: torch.Tensor, rows: int, extra: int) -> None:
         batch = self.symbolic_batch

@@ -24,6 +24,7 @@ from inkling_compiled import custom_ops  # noqa: F401  (registers torch.ops.inkl
 from .config import InklingConfig
 from .contexts import FullSequenceContext
 from .nvtx import nvtx_range
+from .parallel.group import TensorParallel
 from .streams import ATTN_STREAM, K_STREAM, MLP_STREAM, V_STREAM
 
 # Projections go through the op: a few-row fast path at decode, ATen's GEMM otherwise.
@@ -100,9 +101,13 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, config: InklingConfig):
+    """Under tensor parallelism each rank holds a slice of the intermediate width: its partial output is
+    summed with the others' by the layer's all-reduce (global_scale commutes with the sum)."""
+
+    def __init__(self, config: InklingConfig, tp: TensorParallel):
         super().__init__()
-        H, I = config.hidden_size, config.intermediate_size
+        start, stop = tp.span(config.intermediate_size)
+        H, I = config.hidden_size, stop - start
         self.gate_proj = nn.Linear(H, I, bias=False)
         self.up_proj = nn.Linear(H, I, bias=False)
         self.down_proj = nn.Linear(I, H, bias=False)
@@ -138,21 +143,30 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    def __init__(self, config: InklingConfig):
+    """The experts [first, first + count) of the router's E (all of them on one rank): under expert
+    parallelism a rank runs its own experts for the tokens routed to them and skips the other choices."""
+
+    def __init__(self, config: InklingConfig, tp: TensorParallel):
         super().__init__()
-        E, H, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.first, stop = tp.span(config.n_routed_experts)
+        self.partial = stop - self.first < config.n_routed_experts
+        E, H, I = stop - self.first, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # rows [0, I) gate, [I, 2I) up
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.partial:  # another rank's expert becomes id -1, which the op skips
+            local = idx - self.first
+            idx = torch.where((local >= 0) & (local < self.gate_up_proj.shape[0]), local, -1)
         # An op, so that a compiled step keeps static shapes and still reads only the chosen experts.
         return torch.ops.inkling.moe_experts(x, idx, w, self.gate_up_proj, self.down_proj)
 
 
 class SharedExperts(nn.Module):
-    def __init__(self, config: InklingConfig):
+    def __init__(self, config: InklingConfig, tp: TensorParallel):
         super().__init__()
-        S, H, I = config.n_shared_experts, config.hidden_size, config.moe_intermediate_size
+        start, stop = tp.span(config.moe_intermediate_size)  # split like the dense MLP's width
+        S, H, I = config.n_shared_experts, config.hidden_size, stop - start
         self.gate_proj = nn.Parameter(torch.empty(S, I, H))
         self.up_proj = nn.Parameter(torch.empty(S, I, H))
         self.down_proj = nn.Parameter(torch.empty(S, H, I))
@@ -171,11 +185,11 @@ class SharedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: InklingConfig):
+    def __init__(self, config: InklingConfig, tp: TensorParallel):
         super().__init__()
-        self.gate = Router(config)
-        self.experts = RoutedExperts(config)
-        self.shared_experts = SharedExperts(config)
+        self.gate = Router(config)  # replicated: every rank routes every token the same way
+        self.experts = RoutedExperts(config, tp)
+        self.shared_experts = SharedExperts(config, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w, shared_w = self.gate(x)
@@ -183,40 +197,54 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: InklingConfig, layer_id: int):
+    """With tensor parallelism attention and MLP give partial sums, each all-reduced before its output conv
+    (which, like the norms, runs replicated on the full hidden)."""
+
+    def __init__(self, config: InklingConfig, layer_id: int, tp: TensorParallel | None = None):
         super().__init__()
         H, K = config.hidden_size, config.conv_kernel_size
+        self.tp = tp = tp or TensorParallel(config, 0, 1)
         self.layer_id = layer_id
         self.range_name = f"layer {layer_id}"
         self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_id)
         self.attn_sconv = ShortConv(H, K, layer_id, ATTN_STREAM)
         self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
-        self.mlp = MoE(config) if config.is_sparse(layer_id) else DenseMLP(config)
+        self.mlp = MoE(config, tp) if config.is_sparse(layer_id) else DenseMLP(config, tp)
         self.mlp_sconv = ShortConv(H, K, layer_id, MLP_STREAM)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         with nvtx_range(self.range_name):
             ctx.enter_layer(self.layer_id)
-            x = x + self.attn_sconv(self.self_attn(self.input_layernorm(x), ctx), ctx)
-            return x + self.mlp_sconv(self.mlp(self.post_attention_layernorm(x)), ctx)
+            x = x + self.attn_sconv(self.tp.all_reduce(self.self_attn(self.input_layernorm(x), ctx)), ctx)
+            return x + self.mlp_sconv(self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x))), ctx)
 
 
 class NormedEmbedding(nn.Module):
-    def __init__(self, config: InklingConfig):
+    """Vocabulary-parallel under tensor parallelism: a rank looks up the ids in its share of rows, zeros
+    the others, and the all-reduce puts every row together before the (replicated) norm."""
+
+    def __init__(self, config: InklingConfig, tp: TensorParallel):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.tp = tp
+        self.first, _, rows = tp.padded_span(config.vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, config.hidden_size))
         self.embed_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_norm(F.embedding(ids, self.weight))
+        if self.tp.world == 1:
+            return self.embed_norm(F.embedding(ids, self.weight))
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
+        return self.embed_norm(self.tp.all_reduce(rows))
 
 
 class TextModel(nn.Module):
-    def __init__(self, config: InklingConfig, mtp_depths: int = 0):
+    def __init__(self, config: InklingConfig, mtp_depths: int, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = NormedEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = NormedEmbedding(config, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if mtp_depths:  # the multi-token-prediction head, built only when asked for (`model.mtp.*`)
             self.mtp = MtpHead(config, mtp_depths)
@@ -276,14 +304,22 @@ class MtpHead(nn.Module):
 
 
 class InklingForCausalLM(nn.Module):
-    """Embedding -> layers -> final norm -> lm_head / mup multiplier, logits cut to the unpadded vocab."""
+    """Embedding -> layers -> final norm -> lm_head / mup multiplier, logits cut to the unpadded vocab.
 
-    def __init__(self, config: InklingConfig, mtp_depths: int = 0):
+    With `tp` (a `parallel.TensorParallel` of more than one rank) this is one rank's shard: `config` is
+    then the rank's view (its own head counts) and lm_head holds the rank's share of the vocabulary,
+    gathered into whole logits on every rank."""
+
+    def __init__(self, config: InklingConfig, mtp_depths: int = 0, tp: TensorParallel | None = None):
         super().__init__()
-        self.config = config
-        self.model = TextModel(config, mtp_depths)
+        self.tp = tp = tp or TensorParallel(config, 0, 1)
+        if tp.world > 1 and mtp_depths:
+            raise ValueError("the MTP head is not sharded: no MTP depths with tensor parallelism")
+        self.config = config = tp.local_config()
+        self.model = TextModel(config, mtp_depths, tp)
         # Only the rows that survive the unpadded-vocab cut are kept.
-        self.lm_head = _Tensor("weight", (config.logits_vocab_size, config.hidden_size))
+        _, _, rows = tp.padded_span(config.logits_vocab_size)
+        self.lm_head = _Tensor("weight", (rows, config.hidden_size))
 
     def hidden_states(self, ids: torch.Tensor, ctx) -> torch.Tensor:
         x = self.model.embed_tokens(ids)
@@ -292,7 +328,10 @@ class InklingForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden / self.config.logits_mup_width_multiplier, self.lm_head.weight)
+        logits = linear(hidden / self.config.logits_mup_width_multiplier, self.lm_head.weight)
+        if self.tp.world == 1:
+            return logits
+        return self.tp.gather_last(logits)[..., :self.config.logits_vocab_size]
 
     def forward(self, ids: torch.Tensor, ctx) -> torch.Tensor:
         return self.logits(self.hidden_states(ids, ctx))

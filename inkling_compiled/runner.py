@@ -133,10 +133,38 @@ class VerifyStep(nn.Module):
 
 
 class EagerRunner:
-    """The reference path: every step runs eagerly, unpadded."""
+    """The reference path: every step runs eagerly, unpadded.
+
+    Every forward goes through `_launch(kind, bucket)` once its buffers are prepared: under tensor
+    parallelism the scheduling rank's `mirror` sends the step to the other ranks there, and they run the
+    same `replay(kind, bucket)` on their shards."""
+
+    mirror = None  # a parallel.StepMirror on the scheduling rank of a tensor-parallel engine
 
     def __init__(self, model: InklingForCausalLM, backend: StepBackend):
         self.model, self.backend = model, backend
+
+    def _forward(self, kind: str, bucket: int | None) -> tuple[torch.Tensor, ...]:
+        if kind == "prefill":
+            return forward_step(self.model, self.backend, self.with_hidden)
+        if kind == "decode":
+            return forward_step(self.model, self.backend)
+        if kind == "verify":
+            return verify_step(self.model, self.backend, self.with_hidden)
+        raise ValueError(f"unknown forward {kind!r}")
+
+    def _launch(self, kind: str, bucket: int | None = None, slots: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+        if self.mirror is not None:
+            self.mirror.publish(kind, bucket, slots)
+        return self._forward(kind, bucket)
+
+    @torch.inference_mode()
+    def replay(self, kind: str, bucket: int | None, slots: list[int] | None) -> None:
+        """What another rank runs for a forward the scheduling rank launched (its buffers already loaded);
+        a verify step commits the windows its own acceptance picks, which is every rank's."""
+        out = self._forward(kind, bucket)
+        if kind == "verify":
+            self.commit(slots, out[1])
 
     @torch.inference_mode()
     def prefill(self, reqs, lengths: list[int]) -> StepOutput:
@@ -148,7 +176,7 @@ class EagerRunner:
                                         [self.backend.pool.slot_of[r.request_id] for r in reqs],
                                         [r.sampling_row() for r in reqs])
         with nvtx_range(f"prefill {len(reqs)} rows, {sum(lengths)} tokens"):
-            return StepOutput(*forward_step(self.model, self.backend, self.with_hidden))
+            return StepOutput(*self._launch("prefill"))
 
     def _prepare_decode(self, reqs, pad_to: int | None = None) -> None:
         slot_of = self.backend.pool.slot_of
@@ -160,7 +188,7 @@ class EagerRunner:
     def decode(self, reqs) -> StepOutput:
         self._prepare_decode(reqs)
         with nvtx_range(f"decode {len(reqs)} rows (eager)"):
-            return StepOutput(*forward_step(self.model, self.backend))
+            return StepOutput(*self._launch("decode"))
 
     # ---- speculative decoding ------------------------------------------------------------------------
 
@@ -184,10 +212,10 @@ class EagerRunner:
                 list(pool.conv.values()), list(pool.intermediate_conv_window.values()),
                 torch.tensor(slots, dtype=torch.int32).to(steps.device, non_blocking=True), steps[:len(slots)])
 
-    def _verify_chunk(self, reqs, drafts, run) -> VerifyOutput:
+    def _verify_chunk(self, reqs, drafts) -> VerifyOutput:
         bucket = self._verify_bucket(len(reqs))
         slots = self._prepare_verify(reqs, drafts, pad_to=bucket)
-        out = VerifyOutput(*(t[:len(reqs)] for t in run(bucket)))
+        out = VerifyOutput(*(t[:len(reqs)] for t in self._launch("verify", bucket, slots)))
         self.commit(slots, out.accepted)  # before the next chunk's verify overwrites the saved windows
         return out
 
@@ -198,7 +226,7 @@ class EagerRunner:
     def verify(self, reqs, drafts: list[list[int]]) -> VerifyOutput:
         """Checks `drafts[i]` (K tokens) after each request's newest token, commits what is accepted."""
         with nvtx_range(f"verify {len(reqs)} rows (eager)"):
-            return self._verify_chunk(reqs, drafts, lambda _: verify_step(self.model, self.backend, self.with_hidden))
+            return self._verify_chunk(reqs, drafts)
 
 
 class CompiledRunner(EagerRunner):
@@ -209,6 +237,13 @@ class CompiledRunner(EagerRunner):
         self.decoder, self.verifier = decoder, verifier
         if verifier is not None:
             self.with_hidden = verifier.step.with_hidden
+
+    def _forward(self, kind: str, bucket: int | None) -> tuple[torch.Tensor, ...]:
+        if kind == "decode":
+            return self.decoder.run(bucket)
+        if kind == "verify":
+            return self.verifier.run(bucket)
+        return super()._forward(kind, bucket)
 
     def _wait_for_transfers(self) -> None:
         """Graphs without a per-layer barrier: every layer's transfer completes before a replay starts."""
@@ -225,7 +260,7 @@ class CompiledRunner(EagerRunner):
             bucket = self.decoder.bucket_for(len(chunk))
             self._prepare_decode(chunk, pad_to=bucket)
             with nvtx_range(f"replay bucket {bucket} ({len(chunk)} rows)"):
-                parts.append([t[: len(chunk)] for t in self.decoder.run(bucket)])
+                parts.append([t[: len(chunk)] for t in self._launch("decode", bucket)])
         return StepOutput(*(torch.cat(ts) for ts in zip(*parts)))
 
     def _verify_bucket(self, rows: int) -> int:
@@ -237,7 +272,7 @@ class CompiledRunner(EagerRunner):
         for start in range(0, len(reqs), self.verifier.largest):  # a batch over the largest bucket is split
             chunk = reqs[start:start + self.verifier.largest]
             with nvtx_range(f"verify replay ({len(chunk)} rows)"):
-                parts.append(self._verify_chunk(chunk, drafts[start:start + len(chunk)], self.verifier.run))
+                parts.append(self._verify_chunk(chunk, drafts[start:start + len(chunk)]))
         if len(parts) == 1:
             return parts[0]
         fields = [f for f in VerifyOutput.__struct_fields__ if getattr(parts[0], f) is not None]

@@ -685,6 +685,8 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   const int64_t* ip = ids.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> rows(E), slots(E);
   for (int64_t i = 0; i < T * k; ++i) {
+    if (ip[i] < 0) continue;  // another rank's expert (expert parallelism): nothing to add here
+    TORCH_CHECK(ip[i] < E, "moe_experts: expert id ", ip[i], " outside the bank of ", E);
     rows[ip[i]].push_back(i / k);
     slots[ip[i]].push_back(i);
   }

@@ -25,15 +25,17 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def align_pairs(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pair_of [blocks*BM] int64: the pair id in each block row, P for padding; block_expert [blocks]
     int32: the expert of each block, -1 past the last). Pair p is token p // k, choice p % k."""
+    # A negative id (another rank's expert) goes to one more bin past the bank, whose blocks are skipped.
     flat = expert_ids.reshape(-1).long()
+    flat = torch.where(flat < 0, num_experts, flat)
     P, dev = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + BM - 1) // BM * BM
     padded_end = padded.cumsum(0)
     order = torch.sort(flat, stable=True).indices
     sorted_expert = flat[order]
     rank = torch.arange(P, device=dev) - (counts.cumsum(0) - counts)[sorted_expert]
-    blocks = triton.cdiv(P, BM) + min(num_experts, P)
+    blocks = triton.cdiv(P, BM) + min(num_experts + 1, P)
     pair_of = torch.full((blocks * BM,), P, dtype=torch.int64, device=dev)
     pair_of.scatter_(0, (padded_end - padded)[sorted_expert] + rank, order)
     block_start = torch.arange(blocks, device=dev) * BM
@@ -117,7 +119,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     act = torch.empty(blocks * BM, I, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(I, BN))](
         x, gate_up, pair_of, block_expert, act, P, k, H, I, x.stride(0), *gate_up.stride(), act.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)
-    per_pair = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    per_pair = torch.zeros(P, H, dtype=torch.float32, device=x.device)  # skipped pairs add zeros
     _down_kernel[(blocks, triton.cdiv(H, BN))](
         act, down, pair_of, block_expert, weights.reshape(-1), per_pair, P, H, I, act.stride(0), *down.stride(),
         per_pair.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)

@@ -77,6 +77,11 @@ class StatePool:
         self.layer_transfer = layer_transfer
         self.barrier_handle = barrier.new_handle()
         self.layer_transfer_counter: LayerTransferCounter | None = None
+        # Under tensor parallelism the scheduling rank's pool records every write it makes outside a step
+        # (`EFFECTS`, with their arguments), and the other ranks' pools replay them on their shards.
+        self.journal: list[tuple[str, tuple]] | None = None
+
+    EFFECTS = ("reset_slot", "clear_block_row", "restore_checkpoint")
 
     # ---- ownership ------------------------------------------------------------------------------
 
@@ -104,6 +109,23 @@ class StatePool:
         for page in pages:
             self.page_refs[page] += 1
         self.slot_of[request_id], self.pages_of[request_id] = slot, pages
+        self.reset_slot(slot, pages)
+        return slot
+
+    def free(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id)
+        for page in self.pages_of.pop(request_id):
+            self.release_page(page)
+        self.clear_block_row(slot)
+        self.slots.free([slot])
+
+    def _record(self, effect: str, *args) -> None:
+        if self.journal is not None:
+            self.journal.append((effect, args))
+
+    def reset_slot(self, slot: int, pages: list[int]) -> None:
+        """The slot's block table row lists `pages`; its conv windows and rings are cleared."""
+        self._record("reset_slot", slot, pages)
         row = self.block_table_host[slot]
         row.zero_()
         row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
@@ -113,15 +135,11 @@ class StatePool:
         R = self.ring_size
         for t in self.sliding_kv:
             t[:, slot * R:(slot + 1) * R].zero_()
-        return slot
 
-    def free(self, request_id: str) -> None:
-        slot = self.slot_of.pop(request_id)
-        for page in self.pages_of.pop(request_id):
-            self.release_page(page)
+    def clear_block_row(self, slot: int) -> None:
+        self._record("clear_block_row", slot)
         self.block_table[slot].zero_()
         self.block_table_host[slot].zero_()
-        self.slots.free([slot])
 
     def retain_page(self, page: int) -> None:
         self.page_refs[page] += 1
@@ -137,6 +155,7 @@ class StatePool:
     def restore_checkpoint(self, slot: int, checkpoint: int) -> None:
         """The slot's conv windows and sliding rings become the checkpoint's (a copy: the slot's state is
         its own to change, the checkpoint stays for the next hit)."""
+        self._record("restore_checkpoint", slot, checkpoint)
         for name, t in self.conv.items():
             t[:, slot] = self.conv_checkpoints[name][:, checkpoint]
         R = self.ring_size

@@ -1,0 +1,298 @@
+"""The ranks of a tensor-parallel engine: how they start, how the scheduling rank tells the others what
+to run, and how they stop.
+
+Rank 0 schedules. Before each forward it sends one message (`StepChannel`) on a gloo control group:
+the pool writes it made since the last one (`StatePool.journal`: slot resets, freed block rows,
+restored prefix checkpoints), the prefix checkpoints the forward takes, the step's prepared metadata
+bytes and which forward it is (prefill, decode or verify, and the bucket). The other ranks apply it to
+their own shards and run the same forward; the collectives inside it (`group.TensorParallel`) run on
+the compute group (gloo on CPU, NCCL on GPU). Every rank samples from the same gathered logits, so the
+tokens rank 0 computes are everyone's and nothing comes back.
+
+The control group waits without a deadline (an engine may idle for hours); the compute group's
+collectives time out (`timeout`), which is how a hung rank surfaces. A rank that dies is seen before
+the next step (spawned workers) or by the broken collective, and the engine then stops every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import InklingError
+
+log = logging.getLogger("inkling_compiled")
+
+_IDLE = timedelta(days=7)  # the control group: workers wait this long for the next step
+_HEAD = struct.Struct("<QQ")  # header bytes, data bytes
+
+
+class ParallelError(InklingError, RuntimeError):
+    """A rank of a tensor-parallel engine died, hung or failed a step; every rank has been stopped."""
+
+
+class StepChannel:
+    """Messages from rank 0 to every other rank over `group`: a pickled header and a byte array, in one
+    broadcast of CAPACITY bytes (a second one carries whatever does not fit, prefill metadata of long
+    chunks)."""
+
+    CAPACITY = 32 * 1024
+
+    def __init__(self, group):
+        self.group = group
+        self.frame = torch.zeros(self.CAPACITY, dtype=torch.uint8)
+
+    def send(self, header: dict, data: np.ndarray | None = None) -> None:
+        head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+        body = b"" if data is None else data.tobytes()
+        message = _HEAD.pack(len(head), len(body)) + head + body
+        view = self.frame.numpy()
+        first = min(len(message), self.CAPACITY)
+        view[:first] = np.frombuffer(message, dtype=np.uint8, count=first)
+        dist.broadcast(self.frame, src=0, group=self.group)
+        if len(message) > self.CAPACITY:
+            rest = torch.from_numpy(np.frombuffer(message, dtype=np.uint8)[self.CAPACITY:].copy())
+            dist.broadcast(rest, src=0, group=self.group)
+
+    def receive(self) -> tuple[dict, np.ndarray]:
+        dist.broadcast(self.frame, src=0, group=self.group)
+        n_head, n_body = _HEAD.unpack(self.frame.numpy()[:_HEAD.size].tobytes())
+        total = _HEAD.size + n_head + n_body
+        message = self.frame.numpy()[:min(total, self.CAPACITY)]
+        if total > self.CAPACITY:
+            rest = torch.empty(total - self.CAPACITY, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            message = np.concatenate([message, rest.numpy()])
+        header = pickle.loads(message[_HEAD.size:_HEAD.size + n_head].tobytes())
+        return header, message[_HEAD.size + n_head:total]
+
+    def gather(self, value) -> list | None:
+        """Every rank's `value`, on rank 0 (None elsewhere)."""
+        out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(value, out, dst=0, group=self.group)
+        return out
+
+
+class Ranks:
+    """This process's place among the ranks: the groups, the channel and (rank 0 of a spawned set) the
+    worker processes. `close()` stops them all; it is safe to call more than once."""
+
+    def __init__(self, world: int, rank: int, compute_group: str, channel: StepChannel, timeout: float,
+                 procs: list | None = None, rendezvous: str | None = None):
+        self.world, self.rank, self.compute_group = world, rank, compute_group
+        self.channel, self.timeout = channel, timeout
+        self.procs = procs or []
+        self._rendezvous = rendezvous
+        self.closed = False
+
+    def dead(self) -> str | None:
+        """Which spawned worker has exited, and how; None while they all run."""
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) {how}"
+        return None
+
+    def check(self) -> None:
+        if (reason := self.dead()) is not None:
+            raise ParallelError(reason)
+
+    def close(self, graceful: bool = True) -> None:
+        """Asks the other ranks to stop (graceful) and waits for the spawned ones; any still running after
+        a few seconds are killed. Then the process groups are destroyed, so another engine may start."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and self.dead() is None:
+            try:
+                self.channel.send({"op": "close"})
+            except Exception:  # a broken group: the workers are stopped below
+                log.debug("close message not delivered", exc_info=True)
+        deadline = time.monotonic() + (10.0 if graceful else 0.0)
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5.0)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                log.debug("destroying the process group failed", exc_info=True)
+        if self._rendezvous:
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def _init_groups(backend: str, timeout: float, **init) -> tuple[str, StepChannel]:
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **init)
+    control = dist.new_group(backend="gloo", timeout=_IDLE)
+    return dist.group.WORLD.group_name, StepChannel(control)
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+                                                   and "MASTER_ADDR" in os.environ)
+
+
+def join(world: int, device: torch.device, timeout: float) -> Ranks:
+    """This process's rank in a group torchrun (or the caller) set up; `world` must be its size."""
+    if not dist.is_initialized():
+        dist.init_process_group(_backend(device), timeout=timedelta(seconds=timeout), init_method="env://")
+    if dist.get_world_size() != world:
+        from ..errors import OptionError
+
+        raise OptionError(f"tensor_parallel_size={world}, but the process group has {dist.get_world_size()} ranks")
+    group, channel = _init_groups(_backend(device), timeout)
+    return Ranks(world, dist.get_rank(), group, channel, timeout)
+
+
+def spawn(world: int, device: torch.device, timeout: float, worker_args: tuple) -> Ranks:
+    """Starts ranks 1..world-1 as processes on this machine (each runs `worker_main`) and joins them as
+    rank 0. A worker that cannot start is reported with its exit code.
+
+    Fresh interpreters (`python -c`), not multiprocessing's spawn, so the caller's main module is never
+    re-imported: a script without an `if __name__ == "__main__"` guard works, and so do REPLs and pytest."""
+    if dist.is_initialized():
+        from ..errors import OptionError
+
+        raise OptionError("a torch.distributed process group is already running in this process: launch with "
+                          "torchrun (every rank runs the script) or close the other engine first")
+    # Loopback only: the ranks are processes of this machine, whatever its host name resolves to.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    rendezvous = tempfile.mkdtemp(prefix="inkling-tp-")
+    init = f"file://{os.path.join(rendezvous, 'store')}"
+    env = dict(os.environ)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    procs = []
+    for rank in range(1, world):
+        args = pickle.dumps((rank, world, init, timeout, os.getpid(), *worker_args))
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER_ENTRY], stdin=subprocess.PIPE, env=env)
+        proc.stdin.write(args)
+        proc.stdin.close()
+        procs.append(proc)
+    ranks = Ranks(world, 0, "", None, timeout, procs, rendezvous)
+    try:
+        ranks.compute_group, ranks.channel = _init_groups(_backend(device), timeout, init_method=init, rank=0,
+                                                          world_size=world)
+    except BaseException as e:
+        ranks.close(graceful=False)
+        raise ParallelError(f"the tensor-parallel ranks did not start: {ranks.dead() or e}") from e
+    return ranks
+
+
+_WORKER_ENTRY = ("import pickle, sys; from inkling_compiled.parallel.runtime import worker_main; "
+                 "worker_main(*pickle.load(sys.stdin.buffer))")
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A spawned worker must not outlive rank 0 (killed without a chance to stop it)."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="inkling-tp-parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, world: int, init: str, timeout: float, parent: int, path, device: str,
+                load_options: dict, engine_options: dict) -> None:
+    """A spawned rank: loads its shard, builds the same engine, serves steps until rank 0 closes it."""
+    _exit_with_parent(parent)
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    try:
+        group, channel = _init_groups(_backend(device), timeout, init_method=init, rank=rank, world_size=world)
+        ranks = Ranks(world, rank, group, channel, timeout)
+        serve_rank(ranks, path, device, load_options, engine_options)
+    except BaseException:
+        log.exception("tensor-parallel rank %d failed", rank)
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def serve_rank(ranks: Ranks, path, device, load_options: dict, engine_options: dict) -> None:
+    """A rank other than 0: its shard of the engine, running what rank 0 sends until it says close."""
+    from ..engine import Engine
+    from ..loading import load_model
+
+    model, _ = load_model(path, device=device, tensor_parallel=(ranks.rank, ranks.world, ranks.compute_group),
+                          **load_options)
+    engine = Engine(model, device=device, ranks=ranks, **{**engine_options, "progress": False})
+    serve(engine, ranks.channel)
+    dist.destroy_process_group()
+
+
+def serve(engine, channel: StepChannel) -> None:
+    """The other ranks' loop: apply rank 0's pool writes and step metadata, run the forward it names."""
+    pool, backend = engine.pool, engine.backend
+    while True:
+        header, data = channel.receive()
+        op = header["op"]
+        if op == "close":
+            return
+        if op == "step":
+            for effect, args in header["journal"]:
+                if effect not in pool.EFFECTS:
+                    raise ParallelError(f"unknown pool effect {effect!r} from rank 0")
+                getattr(pool, effect)(*args)
+            backend.buffers.load(header["step"], data)
+            backend.context.checkpoints = header["checkpoints"]
+            try:
+                with engine.torch_state.pinned():
+                    engine.runner.replay(header["kind"], header["bucket"], header["slots"])
+            finally:
+                backend.context.checkpoints = []
+        elif op == "warm_up":
+            engine.warm_up(header["buckets"])
+        elif op == "report":
+            channel.gather(engine.rank_report())
+        else:
+            raise ParallelError(f"unknown message {op!r} from rank 0")
+
+
+class StepMirror:
+    """Rank 0's side of `serve`: sends each forward, with what the pool wrote since the last one."""
+
+    def __init__(self, ranks: Ranks, pool, backend):
+        self.ranks, self.pool, self.backend = ranks, pool, backend
+        pool.journal = []
+
+    def publish(self, kind: str, bucket: int | None, slots: list[int] | None) -> None:
+        self.ranks.check()
+        step, data = self.backend.buffers.export()
+        journal, self.pool.journal = self.pool.journal, []
+        self.ranks.channel.send({"op": "step", "kind": kind, "bucket": bucket, "slots": slots, "journal": journal,
+                                 "checkpoints": list(self.backend.context.checkpoints), "step": step}, data)
+
+    def warm_up(self, buckets) -> None:
+        self.ranks.check()
+        self.ranks.channel.send({"op": "warm_up", "buckets": buckets})
+
+    def reports(self, own: dict) -> list[dict]:
+        self.ranks.check()
+        self.ranks.channel.send({"op": "report"})
+        return self.ranks.channel.gather(own)
