@@ -87,10 +87,8 @@ class Engine:
         # Tensor parallelism (`from_pretrained(..., tensor_parallel_size=N)`): this engine is one rank's.
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
         if self.ranks is not None:
-            self._check_parallel_options(dict(speculative=speculative, host_cache_bytes=host_cache_bytes))
-            if cpp_wrapper:
-                raise OptionError("cpp_wrapper=True is not supported with tensor parallelism: inductor's C++ wrapper "
-                                  "cannot call the collectives (torch 2.13); leave it None")
+            self._check_parallel_options(dict(speculative=speculative, host_cache_bytes=host_cache_bytes,
+                                              cpp_wrapper=cpp_wrapper))
             cpp_wrapper = False
         self._closed: str | None = None  # why the engine no longer steps (closed, or a rank failed)
         self.max_batch_size = option_int("max_batch_size", max_batch_size)
@@ -246,6 +244,9 @@ class Engine:
         if options.get("host_cache_bytes"):
             raise OptionError("host_cache_bytes (the prefix cache's host tier) is not supported with tensor "
                               "parallelism: leave it 0")
+        if options.get("cpp_wrapper"):
+            raise OptionError("cpp_wrapper=True is not supported with tensor parallelism: inductor's C++ wrapper "
+                              "cannot call the collectives (torch 2.13); leave it None")
 
     def warm_up(self, buckets: Sequence[int] | None = None) -> dict[int, float]:
         """Compiles (or loads from the cache) the decode graphs of `buckets` (default: all) now, rather

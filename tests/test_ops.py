@@ -370,3 +370,27 @@ def test_moe_reads_only_the_chosen_experts(kernel, rows):
     # and the chosen ones are really read: poisoning one of them shows up
     gate_up[ids[0, 0]] = float("nan")
     assert torch.isnan(moe(x, ids, w, gate_up, down)[0]).all()
+
+
+@pytest.mark.parametrize("kernel", ["op", "reference", "CUDA"])
+def test_moe_skips_negative_expert_ids(kernel):
+    """Expert parallelism hands a rank's bank the choices of other ranks as id -1: they add nothing and
+    read nothing. Oracle: a plain loop over (token, choice) pairs."""
+    moe = {"op": torch.ops.inkling.moe_experts.default, **KERNELS["moe_experts"]}[kernel]
+    g = torch.Generator().manual_seed(7)
+    E, k, H, I, T = 3, 2, 16, 12, 6
+    x = torch.randn(T, H, generator=g)
+    ids = torch.tensor([[0, -1], [-1, -1], [2, 0], [-1, 2], [0, 2], [-1, 0]])
+    w = torch.rand(T, k, generator=g)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    gate_up[1], down[1] = float("nan"), float("nan")  # chosen by nobody: must never be read
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            if e >= 0:
+                h = gate_up[e] @ x[t]
+                want[t] += w[t, j] * (down[e] @ (torch.nn.functional.silu(h[:I]) * h[I:]))
+    got = moe(x, ids, w, gate_up, down)
+    assert torch.isfinite(got).all() and torch.equal(got[1], torch.zeros(H))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -177,7 +177,8 @@ def test_moe_alignment_is_static_and_never_looks_at_data():
 
     with FakeTensorMode():
         pair_of, block_expert = align_pairs(torch.randint(0, 8, (5, 3)), 8)
-    assert block_expert.shape == (-(-15 // BM) + 8,) and pair_of.shape == (block_expert.shape[0] * BM,)
+    # (one block of padding per expert, and per the bin of skipped choices, negative ids)
+    assert block_expert.shape == (-(-15 // BM) + 9,) and pair_of.shape == (block_expert.shape[0] * BM,)
 
 
 def test_moe_alignment_groups_every_pair_by_expert():

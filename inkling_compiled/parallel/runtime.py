@@ -186,7 +186,7 @@ def spawn(world: int, device: torch.device, timeout: float, worker_args: tuple) 
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     procs = []
     for rank in range(1, world):
-        args = pickle.dumps((rank, world, init, timeout, os.getpid(), *worker_args))
+        args = pickle.dumps((rank, world, init, timeout, os.getpid(), torch.get_num_threads(), *worker_args))
         proc = subprocess.Popen([sys.executable, "-c", _WORKER_ENTRY], stdin=subprocess.PIPE, env=env)
         proc.stdin.write(args)
         proc.stdin.close()
@@ -215,10 +215,12 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="inkling-tp-parent-watch", daemon=True).start()
 
 
-def worker_main(rank: int, world: int, init: str, timeout: float, parent: int, path, device: str,
+def worker_main(rank: int, world: int, init: str, timeout: float, parent: int, threads: int, path, device: str,
                 load_options: dict, engine_options: dict) -> None:
-    """A spawned rank: loads its shard, builds the same engine, serves steps until rank 0 closes it."""
+    """A spawned rank: loads its shard, builds the same engine, serves steps until rank 0 closes it. It runs
+    as many torch threads as rank 0."""
     _exit_with_parent(parent)
+    torch.set_num_threads(threads)
     device = torch.device(device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
