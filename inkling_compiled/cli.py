@@ -56,7 +56,8 @@ def _engine_args(args):
     return dict(device=args.device, dtype=args.dtype, compile=args.compile, max_batch_size=args.max_batch_size,
                 buckets=buckets, compile_backend=args.compile_backend,
                 prefill_chunk_tokens=args.prefill_chunk_tokens, prefix_cache=args.prefix_cache,
-                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+                speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _speculation_line(engine) -> str | None:
@@ -80,12 +81,14 @@ def _demo(args: argparse.Namespace) -> int:
     path = args.model or embedded_checkpoint()
     engine = Engine.from_pretrained(path, **_engine_args(args))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    outs, seconds = _run_engine(engine, DEMO_PROMPTS, params, show_progress=False)
+    with engine:
+        outs, seconds = _run_engine(engine, DEMO_PROMPTS, params, show_progress=False)
     print(f"checkpoint: {path} (random weights: the text is noise by design)")
     if engine.decoder is not None:
         warm = ", ".join(f"bucket {b}: {t:.1f} s" for b, t in engine.decoder.compile_seconds.items())
         print(f"compiled decode graphs ({args.compile_backend}): {warm}")
-    print(f"{len(DEMO_PROMPTS)} prompts in one continuous batch, compile={args.compile}")
+    ranks = f", {args.tensor_parallel_size} tensor-parallel ranks" if args.tensor_parallel_size > 1 else ""
+    print(f"{len(DEMO_PROMPTS)} prompts in one continuous batch, compile={args.compile}{ranks}")
     for prompt, out in zip(DEMO_PROMPTS, outs):
         print(f"  {prompt!r} -> {out.text!r}")
         print(f"      tokens {out.token_ids}")
@@ -115,9 +118,10 @@ def _generate(args: argparse.Namespace) -> int:
     # Compile only the graph this batch starts in; a smaller bucket (requests finishing early) compiles
     # on first use.
     engine = Engine.from_pretrained(args.model, warmup=False, progress=not args.quiet, **_engine_args(args))
-    if engine.decoder is not None:
-        engine.warm_up([engine.decoder.bucket_for(min(len(prompts), engine.decoder.largest))])
-    outs, seconds = _run_engine(engine, prompts, params, show_progress=not args.quiet)
+    with engine:
+        if engine.decoder is not None:
+            engine.warm_up([engine.decoder.bucket_for(min(len(prompts), engine.decoder.largest))])
+        outs, seconds = _run_engine(engine, prompts, params, show_progress=not args.quiet)
     for out in outs:
         print(printable(out.text) if out.text is not None and not args.token_ids else out.token_ids)
     total = sum(len(o.token_ids) for o in outs)
@@ -135,6 +139,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.speculative:
         return _bench_speculative(args)
+    if args.tensor_parallel_size:
+        return _bench_parallel(args)
     engines = args.engines
     results = run_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, engines)
     print(markdown_table(results, engines))
@@ -160,6 +166,20 @@ def _bench_speculative(args: argparse.Namespace) -> int:
     results = run_spec_bench(args.configs, args.batches, args.copy_overlap, args.new_tokens, args.speculative,
                              args.num_speculative_tokens)
     print(spec_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _bench_parallel(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .bench_parallel import parallel_table, run_parallel_bench
+
+    results = run_parallel_bench(args.configs, args.batches, args.tensor_parallel_size, args.prompt_len, args.new_tokens)
+    print(parallel_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -277,7 +297,10 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
                    help="prompt tokens prefilled per step, all requests together (longer prompts take several)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the cached state of prompt prefixes other requests had (--no-prefix-cache: off)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (per rank)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="ranks the model is sharded over: worker processes on this machine, or the ranks of a "
+                        "torchrun launch")
     _add_speculative_options(p)
 
 
@@ -330,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "decoding on a copy workload, every layer made sliding (replay: the plain run's own "
                             "tokens as drafts, the ceiling)")
     bench.add_argument("--num-speculative-tokens", type=positive_int, default=2, help="K for --speculative")
+    bench.add_argument("--tensor-parallel-size", nargs="+", type=positive_int, default=None, metavar="N",
+                       help="instead: compiled decode at each of these tensor-parallel sizes (one thread per rank), "
+                            "with rank 0's step split into collectives, step message and compute")
     bench.add_argument("--copy-overlap", type=positive_int, default=600,
                        help="--speculative: tokens of the copied span already in the prompt (covering the "
                             "sliding layers' receptive field makes the continuation a copy)")

@@ -299,3 +299,14 @@ def test_torchrun_ranks_join_the_group_it_started(checkpoint, tmp_path, oracle):
     assert run.returncode == 0, run.stderr[-3000:]
     (line,) = [line for line in run.stdout.splitlines() if line.startswith("TOKENS")]
     assert line == f"TOKENS {oracle('tiny', PROMPTS[2])[0]}"
+
+
+def test_cli_generate_on_two_ranks_prints_what_one_rank_prints(checkpoint, capsys):
+    from inkling_compiled.cli import main
+
+    args = ["generate", "--model", str(checkpoint("tiny")), "--prompt", "5,6,7", "--prompt", "9", "--token-ids",
+            "--max-new-tokens", "6", "--ignore-eos", "--quiet", "--no-compile"]
+    assert main(args) == 0
+    one = capsys.readouterr().out
+    assert main(args + ["--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == one and not dist.is_initialized()
