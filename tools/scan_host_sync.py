@@ -37,6 +37,7 @@ TRACED = {
                                        "StatePool.layer_state"},
     "inkling_compiled/streams.py": {"StreamTable.locate", "StreamTable.kv_locate"},
     "inkling_compiled/kv_layout.py": {"*"},
+    "inkling_compiled/parallel/group.py": {"TensorParallel.all_reduce", "TensorParallel.gather_last"},
     "inkling_compiled/nvtx.py": {"*"},
     "custom_ops/gpu": {"*"},
     "custom_ops/library.py": {"gpu_kernel"},
