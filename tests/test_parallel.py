@@ -310,3 +310,13 @@ def test_cli_generate_on_two_ranks_prints_what_one_rank_prints(checkpoint, capsy
     one = capsys.readouterr().out
     assert main(args + ["--tensor-parallel-size", "2"]) == 0
     assert capsys.readouterr().out == one and not dist.is_initialized()
+
+
+def test_a_rank_that_cannot_start_is_reported_at_once(checkpoint, monkeypatch):
+    import inkling_compiled.parallel.runtime as runtime
+
+    monkeypatch.setattr(runtime, "_WORKER_ENTRY", "import sys; sys.exit(7)")
+    started = time.monotonic()
+    with pytest.raises(ParallelError, match=r"rank 1 \(pid \d+\) exited with code 7"):
+        Engine.from_pretrained(checkpoint("tiny"), compile=False, tensor_parallel_size=2, progress=False)
+    assert time.monotonic() - started < 30 and not dist.is_initialized()  # not the 300 s group timeout

@@ -193,6 +193,7 @@ def spawn(world: int, device: torch.device, timeout: float, worker_args: tuple) 
         procs.append(proc)
     ranks = Ranks(world, 0, "", None, timeout, procs, rendezvous)
     try:
+        _wait_until_ready(ranks, rendezvous, timeout)
         ranks.compute_group, ranks.channel = _init_groups(_backend(device), timeout, init_method=init, rank=0,
                                                           world_size=world)
     except BaseException as e:
@@ -203,6 +204,21 @@ def spawn(world: int, device: torch.device, timeout: float, worker_args: tuple) 
 
 _WORKER_ENTRY = ("import pickle, sys; from inkling_compiled.parallel.runtime import worker_main; "
                  "worker_main(*pickle.load(sys.stdin.buffer))")
+
+
+def _ready_file(rendezvous: str, rank: int) -> str:
+    return os.path.join(rendezvous, f"ready.{rank}")
+
+
+def _wait_until_ready(ranks: Ranks, rendezvous: str, timeout: float) -> None:
+    """Until every spawned rank has started (its interpreter and torch loaded): a rank that cannot start is
+    reported at once, not after the process group's timeout."""
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(_ready_file(rendezvous, r)) for r in range(1, ranks.world)):
+        ranks.check()
+        if time.monotonic() > deadline:
+            raise ParallelError(f"the tensor-parallel ranks did not start within {timeout:g} s")
+        time.sleep(0.05)
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -226,6 +242,7 @@ def worker_main(rank: int, world: int, init: str, timeout: float, parent: int, t
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     try:
+        open(_ready_file(os.path.dirname(init.removeprefix("file://")), rank), "w").close()
         group, channel = _init_groups(_backend(device), timeout, init_method=init, rank=rank, world_size=world)
         ranks = Ranks(world, rank, group, channel, timeout)
         serve_rank(ranks, path, device, load_options, engine_options)
