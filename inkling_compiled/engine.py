@@ -14,6 +14,7 @@ goes on serving. Every public method takes one lock, so threads may add, abort a
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
@@ -193,6 +194,8 @@ class Engine:
                                     MAX_SPECULATIVE_TOKENS)
         world = option_int("tensor_parallel_size", kwargs.pop("tensor_parallel_size", 1))
         timeout = kwargs.pop("tensor_parallel_timeout", 300.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise OptionError(f"tensor_parallel_timeout must be a positive number of seconds, got {timeout!r}")
         if world > 1:
             return cls._from_pretrained_parallel(path, world, timeout, device, dtype, check_finite,
                                                  dict(compile=compile, max_batch_size=max_batch_size, **kwargs))
@@ -205,8 +208,9 @@ class Engine:
                                   options: dict) -> "Engine":
         """Rank 0 of `world`: spawns ranks 1.. on this machine, or joins the group torchrun started (where
         the other ranks serve rank 0's steps inside this call and exit when it closes the engine)."""
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise OptionError(f"tensor_parallel_timeout must be a positive number of seconds, got {timeout!r}")
+        unknown = sorted(set(options) - set(inspect.signature(cls.__init__).parameters) - {"self", "model", "ranks"})
+        if unknown:  # before any rank starts (each would build an engine and fail alike)
+            raise TypeError(f"Engine.from_pretrained() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
         cls._check_parallel_options(options)
         check_divisible(InklingConfig.from_file(Path(path)), world)  # before any process starts
         device = resolve_device(device)
@@ -230,7 +234,7 @@ class Engine:
         except BaseException as e:
             dead = ranks.dead()
             ranks.close(graceful=False)
-            if dead is not None:
+            if dead is not None and not isinstance(e, InklingError):  # an option error is rank 0's to report too
                 raise parallel.ParallelError(f"{dead} while the engine was starting") from e
             raise
         weakref.finalize(engine, ranks.close)  # at exit or when dropped, the other ranks go too
@@ -261,15 +265,23 @@ class Engine:
         stages = StageLog(self._progress)
         t0 = time.perf_counter()
         with self._lock, self.torch_state.pinned():
-            if self.runner.mirror is not None:  # every rank compiles the same graphs, collectives and all
+            mirror = self.runner.mirror
+            if mirror is not None:  # every rank compiles the same graphs, collectives and all
                 self._check_open()
-                self.runner.mirror.warm_up(buckets)
-            seconds = self.decoder.warmup(progress=stages, buckets=buckets)
-            if self.verifier is not None:
-                verify = self.verifier.warmup(progress=lambda message, done, total: stages(
-                    message.replace("decode step", f"verify step (K={self.num_speculative_tokens})"), done, total),
-                    buckets=buckets)
-                seconds = {b: seconds[b] + verify.get(b, 0.0) for b in seconds}
+                mirror.warm_up(buckets)
+            try:
+                seconds = self.decoder.warmup(progress=stages, buckets=buckets)
+                if self.verifier is not None:
+                    verify = self.verifier.warmup(progress=lambda message, done, total: stages(
+                        message.replace("decode step", f"verify step (K={self.num_speculative_tokens})"), done,
+                        total), buckets=buckets)
+                    seconds = {b: seconds[b] + verify.get(b, 0.0) for b in seconds}
+            except BaseException as e:
+                if mirror is not None:  # the other ranks are inside warm-up steps this rank left
+                    self._raise_stopped([], e)
+                raise
+            if mirror is not None:
+                mirror.in_step = False
         verify_note = f" and {len(self.verifier.graphs())} verify graph(s)" if self.verifier is not None else ""
         stages.finish(f"decode step ready: {len(self.decoder.graphs())} graph(s){verify_note} for buckets "
                       f"{', '.join(map(str, sorted(self.decoder.graph_of)))} in {time.perf_counter() - t0:.1f} s")
@@ -480,8 +492,8 @@ class Engine:
                 out = forward(reqs)
             self._record(reqs, out, sampled)
         except BaseException as e:
-            if self.ranks is not None:  # the ranks' collectives may be out of step: none of them can go on
-                self._stop_ranks(reqs, e)
+            if self.ranks is not None and (self.runner.mirror.in_step or self.ranks.dead()):
+                self._raise_stopped(reqs, e)  # the ranks' collectives may be out of step: none can go on
             if isinstance(e, Exception):
                 log.exception("a step failed; failing its %d request(s)", len(reqs))
             for req in reqs:
@@ -491,22 +503,25 @@ class Engine:
             if not isinstance(e, Exception):
                 raise
 
-    def _stop_ranks(self, reqs: list[Request], error: BaseException) -> None:
-        """A forward of a tensor-parallel engine failed: every rank is stopped, the engine's requests fail,
-        and the caller gets a ParallelError that says which rank went and how."""
+    def _raise_stopped(self, reqs: list[Request], error: BaseException) -> None:
+        """A tensor-parallel engine failed where its ranks were working together (a forward, a warm-up, a
+        report): every rank is stopped and the engine's requests fail. The caller gets a ParallelError that
+        says which rank went and how, or an interrupt as itself."""
         cause, text = self.ranks.dead(), str(error).lower()
         if cause is None and ("timed out" in text or "timeout" in text):
             cause = (f"a rank did not answer within tensor_parallel_timeout={self.ranks.timeout:g} s "
                      f"({type(error).__name__}: {error})")
         cause = cause or f"{type(error).__name__}: {error}"
         self.ranks.close(graceful=False)
-        self._closed = f"tensor-parallel step failed, every rank was stopped: {cause}"
+        self._closed = f"tensor-parallel engine failed, every rank was stopped: {cause}"
         for req in [*reqs, *self.running, *self.prefilling, *self.waiting]:
             if req.finish_reason is None:
                 req.fail(self._closed)
         self.waiting.clear()
         self.running.clear()
         self.prefilling.clear()
+        if not isinstance(error, Exception):
+            raise error
         raise parallel.ParallelError(self._closed) from error
 
     def _check_open(self) -> None:
@@ -519,6 +534,11 @@ class Engine:
         with self._lock:
             if self._closed is None:
                 self._closed = "the engine is closed"
+            for req in [*self.running, *self.prefilling]:
+                self._release(req)
+            self.waiting.clear()
+            self._finished.clear()
+            self._undelivered.clear()
             if self.ranks is not None:
                 self.ranks.close()
 
@@ -547,7 +567,10 @@ class Engine:
             if self.runner.mirror is None:
                 return [self.rank_report()]
             self._check_open()
-            return self.runner.mirror.reports(self.rank_report())
+            try:
+                return self.runner.mirror.reports(self.rank_report())
+            except BaseException as e:
+                self._raise_stopped([], e)
 
     def _decode(self, batch: list[Request]) -> StepOutput | VerifyOutput:
         """The decode forward: a verify step when the drafter has a guess for any request in the batch (or

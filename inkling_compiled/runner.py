@@ -154,9 +154,12 @@ class EagerRunner:
         raise ValueError(f"unknown forward {kind!r}")
 
     def _launch(self, kind: str, bucket: int | None = None, slots: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-        if self.mirror is not None:
-            self.mirror.publish(kind, bucket, slots)
-        return self._forward(kind, bucket)
+        if self.mirror is None:
+            return self._forward(kind, bucket)
+        self.mirror.publish(kind, bucket, slots)
+        out = self._forward(kind, bucket)
+        self.mirror.in_step = False
+        return out
 
     @torch.inference_mode()
     def replay(self, kind: str, bucket: int | None, slots: list[int] | None) -> None:

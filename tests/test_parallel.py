@@ -320,3 +320,72 @@ def test_a_rank_that_cannot_start_is_reported_at_once(checkpoint, monkeypatch):
     with pytest.raises(ParallelError, match=r"rank 1 \(pid \d+\) exited with code 7"):
         Engine.from_pretrained(checkpoint("tiny"), compile=False, tensor_parallel_size=2, progress=False)
     assert time.monotonic() - started < 30 and not dist.is_initialized()  # not the 300 s group timeout
+
+
+class FlakyDrafter:
+    """Prompt lookup that raises for one request id: a host-side failure before anything is sent."""
+
+    def __new__(cls, bad: str):
+        from inkling_compiled.speculative import NgramDrafter
+
+        class Flaky(NgramDrafter):
+            def propose(self, reqs):
+                if any(r.request_id == bad for r in reqs):
+                    raise ValueError(f"drafter bug for {bad}")
+                return super().propose(reqs)
+
+        return Flaky(2)
+
+
+def test_what_fails_on_rank_0_alone_stays_contained(checkpoint):
+    """A drafter that raises before the step is sent fails only its batch, as on one rank; an interrupt
+    inside a sent step stops the ranks and propagates as itself; bad options are the same errors as on
+    one rank."""
+    with pytest.raises(TypeError, match="max_bach_size"):
+        Engine.from_pretrained(checkpoint("tiny"), tensor_parallel_size=2, max_bach_size=3)
+    with pytest.raises(OptionError, match="page_size"):
+        Engine.from_pretrained(checkpoint("tiny"), compile=False, tensor_parallel_size=2, page_size=0)
+    assert not dist.is_initialized()
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, tensor_parallel_size=2,
+                                    speculative=FlakyDrafter("bad"), progress=False)
+    engine.add_request(PROMPTS[1], GREEDY, request_id="bad")
+    failed = {o.request_id: o for o in engine.generate([PROMPTS[2]], GREEDY) + engine.step()}
+    assert failed["bad"].finish_reason == "error" and "drafter bug" in failed["bad"].error
+    assert engine.ranks.dead() is None
+    (again,) = engine.generate([PROMPTS[2]], GREEDY)  # still serving, and right
+    assert again.finish_reason == "length" and len(again.token_ids) == NEW
+
+    real = engine.runner._forward
+    engine.runner._forward = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt)
+    engine.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.runner._forward = real
+    assert_no_ranks_left(engine)
+    with pytest.raises(ParallelError, match="every rank was stopped"):
+        engine.step()
+
+
+def test_an_interrupted_warm_up_stops_the_ranks_at_once(checkpoint):
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=True, compile_backend="eager", warmup=False,
+                                    max_batch_size=4, tensor_parallel_size=2, progress=False)
+    engine.decoder.warmup = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        engine.warm_up([4])
+    assert_no_ranks_left(engine)
+    started = time.monotonic()
+    with pytest.raises(ParallelError):
+        engine.generate([PROMPTS[0]], GREEDY)
+    assert time.monotonic() - started < 5
+
+
+def test_a_report_from_a_hung_rank_times_out(checkpoint):
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, tensor_parallel_size=2,
+                                    tensor_parallel_timeout=4, progress=False)
+    engine.generate([PROMPTS[0]], GREEDY)
+    os.kill(engine.ranks.procs[0].pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(ParallelError, match="tensor_parallel_timeout=4 s"):
+        engine.parallel_report()
+    assert time.monotonic() - started < 15
+    assert_no_ranks_left(engine)

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import InklingError
+from ..errors import InklingError, OptionError
 
 log = logging.getLogger("inkling_compiled")
 
-_IDLE = timedelta(days=7)  # the control group: workers wait this long for the next step
+_IDLE = timedelta(days=365)  # the control group: workers wait this long for the next step
+_LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
 _HEAD = struct.Struct("<QQ")  # header bytes, data bytes
 
 
@@ -79,10 +80,12 @@ class StepChannel:
         header = pickle.loads(message[_HEAD.size:_HEAD.size + n_head].tobytes())
         return header, message[_HEAD.size + n_head:total]
 
-    def gather(self, value) -> list | None:
-        """Every rank's `value`, on rank 0 (None elsewhere)."""
+    @staticmethod
+    def gather(value) -> list | None:
+        """Every rank's `value`, on rank 0 (None elsewhere). On the compute group: a reply has the step
+        timeout, so a rank that hangs fails the gather instead of blocking rank 0."""
         out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(value, out, dst=0, group=self.group)
+        dist.gather_object(value, out, dst=0)
         return out
 
 
@@ -90,13 +93,32 @@ class Ranks:
     """This process's place among the ranks: the groups, the channel and (rank 0 of a spawned set) the
     worker processes. `close()` stops them all; it is safe to call more than once."""
 
-    def __init__(self, world: int, rank: int, compute_group: str, channel: StepChannel, timeout: float,
-                 procs: list | None = None, rendezvous: str | None = None):
-        self.world, self.rank, self.compute_group = world, rank, compute_group
-        self.channel, self.timeout = channel, timeout
+    def __init__(self, world: int, rank: int, timeout: float, procs: list | None = None,
+                 rendezvous: str | None = None):
+        self.world, self.rank, self.timeout = world, rank, timeout
+        self.compute_group, self.channel = "", None  # set by `connect`
         self.procs = procs or []
         self._rendezvous = rendezvous
+        self._owns_group = False  # whether this engine made the default group (else torchrun or the caller did)
+        self._excepthook = sys.excepthook  # init_process_group installs a "[rankN]:" one; close puts it back
         self.closed = False
+
+    def connect(self, backend: str, **init) -> "Ranks":
+        """Joins (or makes) the compute group and makes the control group beside it."""
+        if not dist.is_initialized():
+            if self.procs:  # ranks of this machine talk over loopback, whatever the host name resolves to
+                previous = os.environ.get("GLOO_SOCKET_IFNAME")
+                os.environ["GLOO_SOCKET_IFNAME"] = _LOOPBACK
+            try:
+                dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout), **init)
+            finally:
+                if self.procs:
+                    os.environ.pop("GLOO_SOCKET_IFNAME") if previous is None else \
+                        os.environ.__setitem__("GLOO_SOCKET_IFNAME", previous)
+            self._owns_group = True
+        self.compute_group = dist.group.WORLD.group_name
+        self.channel = StepChannel(dist.new_group(backend="gloo", timeout=_IDLE))
+        return self
 
     def dead(self) -> str | None:
         """Which spawned worker has exited, and how; None while they all run."""
@@ -117,7 +139,7 @@ class Ranks:
         if self.closed:
             return
         self.closed = True
-        if graceful and self.dead() is None:
+        if graceful and self.channel is not None and self.dead() is None:
             try:
                 self.channel.send({"op": "close"})
             except Exception:  # a broken group: the workers are stopped below
@@ -128,21 +150,18 @@ class Ranks:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(5.0)
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:
+                    log.warning("tensor-parallel worker %d did not exit after SIGKILL", proc.pid)
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
+            try:  # a group torchrun or the caller made is theirs: only the control group goes
+                dist.destroy_process_group(None if self._owns_group else self.channel.group)
             except Exception:
                 log.debug("destroying the process group failed", exc_info=True)
+        sys.excepthook = self._excepthook
         if self._rendezvous:
             shutil.rmtree(self._rendezvous, ignore_errors=True)
-
-
-def _init_groups(backend: str, timeout: float, **init) -> tuple[str, StepChannel]:
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout), **init)
-    control = dist.new_group(backend="gloo", timeout=_IDLE)
-    return dist.group.WORLD.group_name, StepChannel(control)
 
 
 def _backend(device: torch.device) -> str:
@@ -156,14 +175,13 @@ def launched_by_torchrun() -> bool:
 
 def join(world: int, device: torch.device, timeout: float) -> Ranks:
     """This process's rank in a group torchrun (or the caller) set up; `world` must be its size."""
-    if not dist.is_initialized():
-        dist.init_process_group(_backend(device), timeout=timedelta(seconds=timeout), init_method="env://")
+    ranks = Ranks(world, -1, timeout)
+    ranks.connect(_backend(device), init_method="env://")
     if dist.get_world_size() != world:
-        from ..errors import OptionError
-
+        ranks.close(graceful=False)
         raise OptionError(f"tensor_parallel_size={world}, but the process group has {dist.get_world_size()} ranks")
-    group, channel = _init_groups(_backend(device), timeout)
-    return Ranks(world, dist.get_rank(), group, channel, timeout)
+    ranks.rank = dist.get_rank()
+    return ranks
 
 
 def spawn(world: int, device: torch.device, timeout: float, worker_args: tuple) -> Ranks:
@@ -173,15 +191,14 @@ def spawn(world: int, device: torch.device, timeout: float, worker_args: tuple) 
     Fresh interpreters (`python -c`), not multiprocessing's spawn, so the caller's main module is never
     re-imported: a script without an `if __name__ == "__main__"` guard works, and so do REPLs and pytest."""
     if dist.is_initialized():
-        from ..errors import OptionError
-
         raise OptionError("a torch.distributed process group is already running in this process: launch with "
                           "torchrun (every rank runs the script) or close the other engine first")
-    # Loopback only: the ranks are processes of this machine, whatever its host name resolves to.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
+        raise OptionError(f"tensor_parallel_size={world} from {device} needs devices up to cuda:"
+                          f"{(device.index or 0) + world - 1}; this machine has {torch.cuda.device_count()}")
     rendezvous = tempfile.mkdtemp(prefix="inkling-tp-")
     init = f"file://{os.path.join(rendezvous, 'store')}"
-    env = dict(os.environ)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", _LOOPBACK)}
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     procs = []
@@ -191,11 +208,12 @@ def spawn(world: int, device: torch.device, timeout: float, worker_args: tuple) 
         proc.stdin.write(args)
         proc.stdin.close()
         procs.append(proc)
-    ranks = Ranks(world, 0, "", None, timeout, procs, rendezvous)
+    ranks = Ranks(world, 0, timeout, procs, rendezvous)
     try:
         _wait_until_ready(ranks, rendezvous, timeout)
-        ranks.compute_group, ranks.channel = _init_groups(_backend(device), timeout, init_method=init, rank=0,
-                                                          world_size=world)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        ranks.connect(_backend(device), init_method=init, rank=0, world_size=world)
     except BaseException as e:
         ranks.close(graceful=False)
         raise ParallelError(f"the tensor-parallel ranks did not start: {ranks.dead() or e}") from e
@@ -238,16 +256,20 @@ def worker_main(rank: int, world: int, init: str, timeout: float, parent: int, t
     _exit_with_parent(parent)
     torch.set_num_threads(threads)
     device = torch.device(device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
+    if device.type == "cuda":  # rank r takes the r-th device after rank 0's
+        device = torch.device("cuda", (device.index or 0) + rank)
         torch.cuda.set_device(device)
     try:
         open(_ready_file(os.path.dirname(init.removeprefix("file://")), rank), "w").close()
-        group, channel = _init_groups(_backend(device), timeout, init_method=init, rank=rank, world_size=world)
-        ranks = Ranks(world, rank, group, channel, timeout)
+        ranks = Ranks(world, rank, timeout).connect(_backend(device), init_method=init, rank=rank, world_size=world)
         serve_rank(ranks, path, device, load_options, engine_options)
-    except BaseException:
-        log.exception("tensor-parallel rank %d failed", rank)
+    except BaseException as e:
+        if os.getppid() != parent:  # rank 0 is gone: the broken group says nothing new
+            os._exit(3)
+        if isinstance(e, InklingError):  # an option or checkpoint error: rank 0 reports the same one
+            print(f"tensor-parallel rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        else:
+            log.exception("tensor-parallel rank %d failed", rank)
         sys.stderr.flush()
         os._exit(1)
     os._exit(0)
@@ -262,7 +284,7 @@ def serve_rank(ranks: Ranks, path, device, load_options: dict, engine_options: d
                           **load_options)
     engine = Engine(model, device=device, ranks=ranks, **{**engine_options, "progress": False})
     serve(engine, ranks.channel)
-    dist.destroy_process_group()
+    ranks.close(graceful=False)
 
 
 def serve(engine, channel: StepChannel) -> None:
@@ -288,7 +310,7 @@ def serve(engine, channel: StepChannel) -> None:
         elif op == "warm_up":
             engine.warm_up(header["buckets"])
         elif op == "report":
-            channel.gather(engine.rank_report())
+            StepChannel.gather(engine.rank_report())
         else:
             raise ParallelError(f"unknown message {op!r} from rank 0")
 
@@ -300,8 +322,11 @@ class StepMirror:
         self.ranks, self.pool, self.backend = ranks, pool, backend
         pool.journal = []
 
+    in_step = False  # between sending a forward and its end: a failure then leaves the ranks out of step
+
     def publish(self, kind: str, bucket: int | None, slots: list[int] | None) -> None:
         self.ranks.check()
+        self.in_step = True
         step, data = self.backend.buffers.export()
         journal, self.pool.journal = self.pool.journal, []
         self.ranks.channel.send({"op": "step", "kind": kind, "bucket": bucket, "slots": slots, "journal": journal,
@@ -309,9 +334,13 @@ class StepMirror:
 
     def warm_up(self, buckets) -> None:
         self.ranks.check()
+        self.in_step = True  # the other ranks compile and run the same warm-up steps
         self.ranks.channel.send({"op": "warm_up", "buckets": buckets})
 
     def reports(self, own: dict) -> list[dict]:
         self.ranks.check()
+        self.in_step = True
         self.ranks.channel.send({"op": "report"})
-        return self.ranks.channel.gather(own)
+        reports = StepChannel.gather(own)
+        self.in_step = False
+        return reports
