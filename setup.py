@@ -8,7 +8,7 @@ setup(
     # custom_ops/ and graphs/ live at the top of the repo but install inside the package,
     # so nothing but `inkling_compiled` lands in site-packages.
     packages=["inkling_compiled", "inkling_compiled.custom_ops", "inkling_compiled.custom_ops.gpu",
-              "inkling_compiled.graphs", "inkling_compiled.parallel"],
+              "inkling_compiled.graphs", "inkling_compiled.parallel", "inkling_compiled.server"],
     package_dir={
         "inkling_compiled": "inkling_compiled",
         "inkling_compiled.custom_ops": "custom_ops",
@@ -21,7 +21,9 @@ setup(
     # The C++ CPU kernels are compiled on first use (torch.utils.cpp_extension), so their source ships.
     package_data={"inkling_compiled.custom_ops": ["csrc/*.cpp"]},
     extras_require={
-        "test": ["pytest", "transformers==5.23.0", "numpy"],
+        "test": ["pytest", "transformers==5.23.0", "numpy", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40"],
+        # The OpenAI-compatible HTTP server (`inkling-compiled serve`).
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
         "bench": ["transformers==5.23.0", "matplotlib"],
         # GPU only: its TensorRT libraries cannot be installed on CPU machines.
         "tensorrt": ["torch-tensorrt==2.13.*"],

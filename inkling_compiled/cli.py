@@ -1,10 +1,11 @@
-"""`inkling-compiled`: demo, generate, bench, roofline, dump-graphs, profile."""
+"""`inkling-compiled`: demo, generate, bench, roofline, dump-graphs, profile, serve, bench-serve."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 DEMO_PROMPTS = ["The short convolution", "Hello, Inkling!", "a", "Continuous batching keeps every slot busy",
                 "0123456789", "Pages and slots"]
@@ -180,6 +181,52 @@ def _bench_parallel(args: argparse.Namespace) -> int:
 
     results = run_parallel_bench(args.configs, args.batches, args.tensor_parallel_size, args.prompt_len, args.new_tokens)
     print(parallel_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from .engine import Engine
+    from .server.chat import ChatTemplate
+    from .server.serve import ApiServer
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        print("error: serve needs FastAPI and uvicorn: pip install 'inkling-compiled[serve]'", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    name = args.served_model_name or Path(args.model).resolve().name
+    chat_template = ChatTemplate.from_checkpoint(args.model)
+    engine = Engine.from_pretrained(args.model, **_engine_args(args))
+    if engine.tokenizer is None:
+        engine.close()
+        print(f"error: {args.model} has no tokenizer.json: the server answers in text", file=sys.stderr)
+        return 2
+    with engine:
+        server = ApiServer(engine, host=args.host, port=args.port, model_name=name, max_waiting=args.max_waiting,
+                           chat_template=chat_template, shutdown_timeout=args.shutdown_timeout)
+        port = server.bind()
+        print(f"inkling-compiled: serving {name!r} at http://{args.host}:{port}/v1 (chat "
+              f"{'on' if chat_template else 'off: no chat template'}); SIGINT or SIGTERM stops it", file=sys.stderr,
+              flush=True)
+        server.run_until_signal()
+    print("inkling-compiled: server stopped", file=sys.stderr)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from .bench_serve import run_serve_bench, serve_table
+
+    results = run_serve_bench(args.config, args.concurrency, args.requests, args.prompt_len, args.new_tokens)
+    print(serve_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -388,6 +435,27 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--nsys", action="store_true", help="print (and run, where nsys exists) the nsys command")
     _add_engine_options(prof, max_batch_size=8)
     prof.set_defaults(run=_profile, argv=None)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)")
+    srv.add_argument("--model", required=True, help="checkpoint folder (with its tokenizer.json)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed)")
+    srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
+    srv.add_argument("--max-waiting", type=positive_int, default=256,
+                     help="requests that may wait for a slot; more get 429 with Retry-After")
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="seconds SIGINT/SIGTERM waits for requests in flight before aborting them")
+    _add_engine_options(srv)
+    srv.set_defaults(run=_serve)
+
+    bs = sub.add_parser("bench-serve", help="load a local server at several concurrencies, against the Python API")
+    bs.add_argument("--config", default="small", choices=sorted(TINY_CONFIGS), help="tiny config to serve")
+    bs.add_argument("--concurrency", nargs="+", type=positive_int, default=[1, 8, 32], help="clients at once")
+    bs.add_argument("--requests", type=positive_int, default=64, help="requests per concurrency")
+    bs.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
+    bs.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per request")
+    bs.add_argument("--json", default="bench-serve.json", help="results file")
+    bs.set_defaults(run=_bench_serve)
     return p
 
 

@@ -1,0 +1,167 @@
+"""The HTTP server under load, next to the same workload through the Python API.
+
+A closed loop per client: each of C clients sends a request (a random prompt of token ids, greedy,
+eos ignored, streamed) and sends the next when the last one ends, until the workload's requests are
+done. Over HTTP the clients are threads with a plain HTTP/1.1 connection each, reading server-sent
+events; through the API the same C requests are kept in flight with `add_request` and `step`. Both use
+one compiled engine. Reported: requests/s, output tokens/s, time to first token and inter-token latency
+(p50, p99; a chunk of the stream or an output of `step` is a token's arrival), and HTTP over API.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .engine import Engine
+from .sampling import SamplingParams
+from .tiny import build_tiny_checkpoint
+
+
+def _prompts(n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n * 1000 + length)
+    return torch.randint(3, 259, (n, length), generator=g).tolist()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _summary(seconds: float, arrivals: list[list[float]], starts: list[float]) -> dict:
+    """arrivals[i]: when request i's tokens arrived (one entry per arrival); starts[i]: when it was sent."""
+    ttft = [a[0] - s for a, s in zip(arrivals, starts) if a]
+    itl = [b - a for times in arrivals for a, b in zip(times, times[1:])]
+    tokens = sum(len(a) for a in arrivals)
+    return {"requests_s": len(starts) / seconds, "tokens_s": tokens / seconds,
+            "ttft_p50_ms": 1e3 * _percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * _percentile(ttft, 0.99),
+            "itl_p50_ms": 1e3 * _percentile(itl, 0.5), "itl_p99_ms": 1e3 * _percentile(itl, 0.99)}
+
+
+def run_api(engine: Engine, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    pending = list(range(len(prompts)))
+    starts, arrivals = [0.0] * len(prompts), [[] for _ in prompts]
+    seen: dict[str, tuple[int, int]] = {}  # request id -> (index, tokens seen)
+    t0 = time.perf_counter()
+
+    def send() -> None:
+        i = pending.pop(0)
+        starts[i] = time.perf_counter()
+        seen[engine.add_request(prompts[i], params)] = (i, 0)
+
+    for _ in range(min(concurrency, len(pending))):
+        send()
+    while seen:
+        for out in engine.step():
+            i, had = seen[out.request_id]
+            now = time.perf_counter()
+            arrivals[i] += [now] * (len(out.token_ids) - had)
+            seen[out.request_id] = (i, len(out.token_ids))
+            if out.finished:
+                del seen[out.request_id]
+                if pending:
+                    send()
+    return _summary(time.perf_counter() - t0, arrivals, starts)
+
+
+def _stream(port: int, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
+    """(sent at, arrival time of each token) of one streamed completion."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True})
+    sent = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+    arrivals = []
+    for line in response:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        arrivals.append(time.perf_counter())  # one chunk per step that brought tokens: one token each here
+    conn.close()
+    return sent, arrivals
+
+
+def run_http(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+    pending = list(range(len(prompts)))
+    starts, arrivals = [0.0] * len(prompts), [[] for _ in prompts]
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                i = pending.pop(0)
+            try:
+                starts[i], arrivals[i] = _stream(port, prompts[i], new_tokens)
+            except BaseException as e:
+                errors.append(e)
+                return
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return _summary(time.perf_counter() - t0, arrivals, starts)
+
+
+def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt_len: int, new_tokens: int,
+                    log=print) -> dict:
+    from .server.serve import ApiServer
+
+    torch.set_num_threads(1)
+    results = {"config": config, "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_checkpoint(Path(tmp) / config, config)
+        engine = Engine.from_pretrained(path, max_batch_size=max(concurrencies), prefix_cache=False,
+                                        max_model_len=prompt_len + new_tokens + 1, progress=False)
+        with engine:
+            api = {}
+            for c in concurrencies:  # the API first: the server's loop thread must not step beside it
+                run_api(engine, _prompts(c, prompt_len), c, new_tokens)  # untimed: every bucket on the way
+                api[c] = run_api(engine, _prompts(requests, prompt_len), c, new_tokens)
+            server = ApiServer(engine, port=0, max_waiting=requests)
+            port = server.start()
+            try:
+                for c in concurrencies:
+                    run_http(port, _prompts(c, prompt_len), c, new_tokens)
+                    http_run = run_http(port, _prompts(requests, prompt_len), c, new_tokens)
+                    row = {"concurrency": c, "http": http_run, "api": api[c],
+                           "http_over_api": http_run["tokens_s"] / api[c]["tokens_s"]}
+                    results["runs"].append(row)
+                    log(f"concurrency {c:>3}: HTTP {http_run['tokens_s']:8.1f} tok/s, API {api[c]['tokens_s']:8.1f} "
+                        f"tok/s ({row['http_over_api']:.2f}x); TTFT p50 {http_run['ttft_p50_ms']:.1f} ms vs "
+                        f"{api[c]['ttft_p50_ms']:.1f} ms")
+            finally:
+                server.stop()
+    return results
+
+
+def serve_table(results: dict) -> str:
+    head = ["concurrency", "path", "requests/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+            "ITL p99 ms", "HTTP / API"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results["runs"]:
+        for path in ("http", "api"):
+            r = row[path]
+            lines.append("| " + " | ".join([
+                str(row["concurrency"]), path.upper(), f"{r['requests_s']:.2f}", f"{r['tokens_s']:.1f}",
+                f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p99_ms']:.1f}", f"{r['itl_p50_ms']:.2f}", f"{r['itl_p99_ms']:.2f}",
+                f"{row['http_over_api']:.2f}x" if path == "http" else ""]) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,249 @@
+"""The HTTP face: an OpenAI-compatible ASGI app over one `EngineLoop`.
+
+    POST /v1/completions        prompt (text or token ids) -> text, streamed as server-sent events or not
+    POST /v1/chat/completions   messages -> the assistant's reply (needs the checkpoint's chat template)
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine serves, 503 once it cannot
+    GET  /metrics               Prometheus text
+
+Bad bodies are 400s carrying the engine's message, a full queue is a 429 with Retry-After, a request the
+engine failed is a 500 (or an error event in its stream) and every other request goes on. A client that
+disconnects aborts its request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..errors import RequestError
+from ..requests import RequestOutput
+from .chat import ChatTemplate, checked_messages
+from .loop import STEP_BUCKETS, EngineLoop, QueueFull
+from .protocol import (Job, chat_job, chat_logprobs, completion_job, completion_logprobs, envelope, error_body,
+                       finish_reason, usage)
+from .text import TextStream
+
+
+def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
+    engine = loop.engine
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("serving needs the checkpoint's tokenizer.json (responses are text)")
+    app = FastAPI(title="inkling-compiled", docs_url=None, redoc_url=None)
+
+    def error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
+        return JSONResponse(error_body(message, kind), status_code=status, headers=headers)
+
+    async def body_of(request: Request):
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from None
+
+    def check_model(body) -> None:
+        name = body.get("model") if isinstance(body, dict) else None
+        if name not in (None, "", model_name):
+            raise LookupError(f"the model {name!r} does not exist: this server serves {model_name!r}")
+
+    def render(messages) -> str:
+        if chat_template is None:
+            raise RequestError("this model has no chat template (no chat_template in its tokenizer_config.json): "
+                               "use /v1/completions with a prompt")
+        return chat_template.render(checked_messages(messages))
+
+    async def serve(request: Request, make_job) -> object:
+        try:
+            body = await body_of(request)
+            check_model(body)
+            job: Job = make_job(body)
+            sub = loop.submit(job.prompt, job.params, asyncio.get_running_loop())
+        except RequestError as e:
+            return error(400, str(e))
+        except LookupError as e:
+            return error(404, str(e), "not_found_error")
+        except QueueFull as e:
+            return error(429, str(e), "rate_limit_exceeded", headers={"Retry-After": "1"})
+        except RuntimeError as e:  # the engine can serve no more
+            return error(503, str(e), "server_error")
+        answer = Answer(job, sub.request_id, model_name, tokenizer)
+        if job.stream:
+            return StreamingResponse(stream_events(sub, answer), media_type="text/event-stream")
+        try:
+            while True:
+                item = await sub.queue.get()
+                if isinstance(item, BaseException):
+                    return error(500, str(item), "server_error")
+                answer.update(item)
+                if answer.done:
+                    break
+        except asyncio.CancelledError:  # the client went away while waiting
+            loop.abort(sub.request_id)
+            raise
+        if answer.stopped_early:
+            loop.abort(sub.request_id)
+        if item.finish_reason == "error":
+            return error(500, f"the engine failed this request: {item.error}", "server_error")
+        return JSONResponse(answer.whole())
+
+    async def stream_events(sub, answer: "Answer"):
+        finished = False
+        try:
+            while not finished:
+                item = await sub.queue.get()
+                if isinstance(item, BaseException):
+                    yield sse(error_body(str(item), "server_error"))
+                    break
+                if item.finish_reason == "error":
+                    yield sse(error_body(f"the engine failed this request: {item.error}", "server_error"))
+                    break
+                for chunk in answer.update(item):
+                    yield sse(chunk)
+                finished = answer.done
+            if finished and answer.job.include_usage:
+                yield sse(answer.usage_chunk())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished or answer.stopped_early:  # the client left (or a stop string ended it): free it now
+                loop.abort(sub.request_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, completion_job)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, lambda body: chat_job(body, render, engine.max_model_len))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(loop.started),
+                                            "owned_by": "inkling-compiled", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if loop.failure is not None:
+            return error(503, loop.failure, "server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus(loop), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class Answer:
+    """What a request has answered so far: text through its `TextStream`, and the chunks or the whole
+    response that say it."""
+
+    def __init__(self, job: Job, request_id: str, model: str, tokenizer):
+        self.job, self.request_id, self.model, self.tokenizer = job, request_id, model, tokenizer
+        self.text = TextStream(tokenizer, job.stops)
+        self.out: RequestOutput | None = None
+        self.tokens_sent = 0  # tokens whose logprobs went out in a chunk
+        self.done = self.stopped_early = False
+        self.started = False  # a chat stream opens with the assistant's role
+
+    def update(self, out: RequestOutput) -> list[dict]:
+        """Takes the newest cumulative output; returns the stream chunks it adds."""
+        self.out = out
+        final = out.finished
+        delta = self.text.update(self._answered_tokens(out), final)
+        if self.text.stopped:
+            self.done = True
+            self.stopped_early = not final
+        self.done = self.done or final
+        upto = self.kept_tokens() if self.done else len(out.token_ids)
+        chunks = []
+        if self.job.chat and not self.started:
+            self.started = True
+            chunks.append(envelope(self.job, self.request_id, self.model,
+                                   {"delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}, chunk=True))
+        if delta or upto > self.tokens_sent or self.done:
+            choice = {"delta": {"content": delta}} if self.job.chat else {"text": delta}
+            choice["logprobs"] = self._logprobs(self.tokens_sent, upto)
+            choice["finish_reason"] = finish_reason(out, self.text.stopped) if self.done else None
+            chunks.append(envelope(self.job, self.request_id, self.model, choice, chunk=True))
+            self.tokens_sent = upto
+        return chunks
+
+    def _answered_tokens(self, out: RequestOutput) -> list[int]:
+        """The tokens the answer's text is made of: all of them, but for a stop token the request asked for
+        (its text is not part of the answer, as with a stop string)."""
+        tokens = out.token_ids
+        if out.finish_reason == "stop" and tokens and tokens[-1] in self.job.params.stop_token_ids:
+            return tokens[:-1]
+        return tokens
+
+    def kept_tokens(self) -> int:
+        """Tokens whose text the answer holds (what its logprobs cover)."""
+        return self.text.tokens_within(self._answered_tokens(self.out))
+
+    def completion_tokens(self) -> int:
+        """Tokens generated for the answer: all of them, or up to where a stop string cut the text."""
+        return self.kept_tokens() if self.text.stopped else len(self.out.token_ids)
+
+    def _logprobs(self, start: int, end: int) -> dict | None:
+        if self.job.top_logprobs is None or end <= start:
+            return None
+        make = chat_logprobs if self.job.chat else completion_logprobs
+        return make(self.tokenizer, self.out, start, end)
+
+    def whole(self) -> dict:
+        n = self.kept_tokens()
+        text = self.text.text
+        reason = finish_reason(self.out, self.text.stopped)
+        logprobs = self._logprobs(0, n)
+        choice = {"message": {"role": "assistant", "content": text}} if self.job.chat else {"text": text}
+        body = envelope(self.job, self.request_id, self.model,
+                        {**choice, "logprobs": logprobs, "finish_reason": reason}, chunk=False)
+        body["usage"] = usage(self.out, self.completion_tokens())
+        return body
+
+    def usage_chunk(self) -> dict:
+        body = envelope(self.job, self.request_id, self.model, {}, chunk=True)
+        body["choices"] = []
+        body["usage"] = usage(self.out, self.completion_tokens())
+        return body
+
+
+def prometheus(loop: EngineLoop) -> str:
+    """Prometheus text exposition of the loop's counters and the engine's state."""
+    engine, m = loop.engine, loop.metrics
+    stats = engine.stats()
+    lines = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP inkling_{name} {help_text}")
+        lines.append(f"# TYPE inkling_{name} {kind}")
+        lines.extend(f"inkling_{name}{labels} {value}" for labels, value in samples)
+
+    metric("requests_running", "gauge", "Requests holding a slot (prefilling or decoding).", [("", loop.running())])
+    metric("requests_waiting", "gauge", "Requests waiting for a slot.", [("", len(engine.waiting))])
+    metric("slots_free", "gauge", "Free slots in the state pool.", [("", engine.pool.slots.num_free)])
+    metric("pages_free", "gauge", "Free KV pages in the state pool.", [("", engine.pool.pages.num_free)])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of requests that produced output.", [("", m.prompt_tokens)])
+    metric("generation_tokens_total", "counter", "Tokens generated.", [("", m.generation_tokens)])
+    metric("requests_finished_total", "counter", "Requests finished, by reason.",
+           [(f'{{reason="{r}"}}', n) for r, n in sorted(m.finished.items())])
+    metric("requests_rejected_total", "counter", "Requests refused with 429 (queue full).", [("", m.rejected)])
+    buckets = [(f'_bucket{{le="{bound}"}}', n) for bound, n in zip(STEP_BUCKETS, m.step_buckets)]  # cumulative
+    metric("step_seconds", "histogram", "Engine step time.",
+           buckets + [('_bucket{le="+Inf"}', m.steps), ("_sum", m.step_seconds), ("_count", m.steps)])
+    metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
+           [("", stats.get("prefix_hit_tokens", 0))])
+    metric("spec_proposed_tokens_total", "counter", "Draft tokens proposed (speculative decoding).",
+           [("", stats["spec_proposed"])])
+    metric("spec_accepted_tokens_total", "counter", "Draft tokens accepted.", [("", stats["spec_accepted"])])
+    lines.append("")
+    return "\n".join(lines)
+

@@ -1,0 +1,196 @@
+"""OpenAI request bodies in, engine requests out; engine outputs in, OpenAI response objects out.
+
+Bodies are checked here, field by field, with the engine's own checks behind them (`SamplingParams`,
+the prompt checks of `add_request`): every problem is a RequestError whose text the server returns with
+a 400. Fields the API has and this engine does not do (several choices, echo, penalties, logit bias,
+suffix) are refused by name rather than ignored; fields that change nothing here (user, metadata) pass.
+Extensions that vLLM also takes: `top_k`, `ignore_eos`, `stop_token_ids`, and token ids inside `stop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..checks import is_finite, is_int
+from ..errors import RequestError
+from ..requests import RequestOutput
+from ..sampling import MAX_TOP_LOGPROBS, SamplingParams
+from .text import token_offsets
+
+
+@dataclasses.dataclass
+class Job:
+    """One checked request: what to add to the engine, and how to answer."""
+
+    chat: bool
+    prompt: str | list[int]
+    params: SamplingParams
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs in the answer; else how many alternatives per token
+
+
+_UNSUPPORTED = {  # field -> the values that are fine (the API's defaults)
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none"),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, fine in _UNSUPPORTED.items():
+        if name in body and body[name] not in fine:
+            raise RequestError(f"{name}={body[name]!r} is not supported by this server (only {fine[1]!r})")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise RequestError(f"response_format={fmt!r} is not supported (only plain text)")
+
+
+def _number(body: dict, name: str, default, *, integer: bool = False, low=None, high=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    ok = is_int(value) if integer else is_finite(value)
+    if not ok or (low is not None and value < low) or (high is not None and value > high):
+        kind = "an integer" if integer else "a number"
+        bounds = f" in {low}..{high}" if high is not None else (f" >= {low}" if low is not None else "")
+        raise RequestError(f"{name} must be {kind}{bounds}, got {value!r}")
+    return value
+
+
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _stops(body: dict) -> tuple[list[str], list[int]]:
+    """`stop` (a string, or a list of strings and token ids) and `stop_token_ids`."""
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) or is_int(s) for s in stop):
+        raise RequestError(f"stop must be a string or a list of strings and token ids, got {body.get('stop')!r}")
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+        raise RequestError(f"stop_token_ids must be a list of token ids, got {body.get('stop_token_ids')!r}")
+    return [s for s in stop if isinstance(s, str)], [int(t) for t in stop if not isinstance(t, str)] + list(ids)
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(is_int(t) for t in prompt)):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError(f"one prompt per request: got {len(prompt)}")
+    raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def _sampling(body: dict, max_tokens: int, stop_ids: list[int], top_logprobs: int | None) -> SamplingParams:
+    top_k = _number(body, "top_k", 0, integer=True, low=-1)
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, low=0),
+        top_p=_number(body, "top_p", 1.0), top_k=max(top_k, 0), seed=_number(body, "seed", None, integer=True),
+        stop_token_ids=tuple(stop_ids), ignore_eos=_flag(body, "ignore_eos"),
+        logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream or not isinstance(options, dict):
+        raise RequestError("stream_options needs stream=true and must be an object")
+    return _flag(options, "include_usage")
+
+
+def completion_job(body, default_max_tokens: int = 16) -> Job:
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    _refuse_unsupported(body)
+    prompt = _prompt(body)
+    top = _number(body, "logprobs", None, integer=True, low=0, high=MAX_TOP_LOGPROBS)
+    stops, stop_ids = _stops(body)
+    max_tokens = _number(body, "max_tokens", default_max_tokens, integer=True, low=1)
+    stream = _flag(body, "stream")
+    return Job(False, prompt, _sampling(body, max_tokens, stop_ids, top), stops, stream,
+               _stream_options(body, stream), top)
+
+
+def chat_job(body, render, default_max_tokens: int) -> Job:
+    """`render(messages)` -> the prompt text (the checkpoint's chat template)."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    _refuse_unsupported(body)
+    prompt = render(body.get("messages"))
+    top = None
+    if _flag(body, "logprobs"):
+        top = _number(body, "top_logprobs", 0, integer=True, low=0, high=MAX_TOP_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        raise RequestError("top_logprobs needs logprobs=true")
+    stops, stop_ids = _stops(body)
+    max_tokens = _number(body, "max_completion_tokens", None, integer=True, low=1)
+    max_tokens = max_tokens or _number(body, "max_tokens", default_max_tokens, integer=True, low=1)
+    stream = _flag(body, "stream")
+    return Job(True, prompt, _sampling(body, max_tokens, stop_ids, top), stops, stream,
+               _stream_options(body, stream), top)
+
+
+# ---- answers -----------------------------------------------------------------------------------------
+
+def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def usage(out: RequestOutput, completion_tokens: int) -> dict:
+    prompt = len(out.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    """A token as text; a token that is part of a character (a byte of it) as "token_id:N", so that two
+    such tokens never share a key in `top_logprobs` (vLLM spells them the same way)."""
+    text = tokenizer.decode([token])
+    return f"token_id:{token}" if "\ufffd" in text else text
+
+
+def completion_logprobs(tokenizer, out: RequestOutput, start: int, end: int) -> dict:
+    """OpenAI's legacy logprobs object for generated tokens [start, end)."""
+    tokens = out.token_ids[start:end]
+    tops = (out.top_logprobs or [[]] * len(out.token_ids))[start:end]
+    offsets = token_offsets(tokenizer, out.token_ids, start, end)
+    return {"tokens": [_token_text(tokenizer, t) for t in tokens],
+            "token_logprobs": out.logprobs[start:end],
+            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in top} for top in tops],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, out: RequestOutput, start: int, end: int) -> dict:
+    """The chat API's logprobs object for generated tokens [start, end)."""
+    tops = (out.top_logprobs or [[]] * len(out.token_ids))[start:end]
+
+    def entry(token: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+                        for t, lp, top in zip(out.token_ids[start:end], out.logprobs[start:end], tops)]}
+
+
+def finish_reason(out: RequestOutput, stopped_by_text: bool) -> str | None:
+    if stopped_by_text:
+        return "stop"
+    return {"stop": "stop", "length": "length"}.get(out.finish_reason)
+
+
+def envelope(job: Job, rid: str, model: str, choice: dict, chunk: bool) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if job.chat else "text_completion"
+    return {"id": ("chatcmpl-" if job.chat else "cmpl-") + rid, "object": kind, "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, **choice}]}

@@ -1,0 +1,386 @@
+"""The OpenAI-compatible server on loopback, driven by the official `openai` client (and plain HTTP where
+the client hides what is tested: status codes, headers, disconnects).
+
+Oracle: `Engine.generate` on a second engine over the same checkpoint, each request run alone. Every wait
+is bounded in count and time.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from inkling_compiled import Engine, SamplingParams  # noqa: E402
+from inkling_compiled.server.serve import ApiServer  # noqa: E402
+from inkling_compiled.server.chat import ChatTemplate  # noqa: E402
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PROMPTS = ["Hello there", "The short convolution", "a", "Continuous batching keeps every slot busy"]
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(checkpoint, tmp_path_factory):
+    """tiny, with a chat template in its tokenizer_config.json."""
+    folder = tmp_path_factory.mktemp("tiny-chat") / "tiny-chat"
+    shutil.copytree(checkpoint("tiny"), folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<eos>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def oracle(chat_checkpoint):
+    engine = Engine.from_pretrained(chat_checkpoint, compile=False, max_batch_size=4, progress=False)
+
+    def solo(prompt, **params):
+        return engine.generate([prompt], SamplingParams(**params))[0]
+
+    return solo
+
+
+def start(path, **options) -> ApiServer:
+    engine_options = {k: options.pop(k) for k in ("max_batch_size",) if k in options}
+    engine = Engine.from_pretrained(path, compile=False, progress=False, **{"max_batch_size": 8, **engine_options})
+    server = ApiServer(engine, port=0, model_name="tiny", chat_template=ChatTemplate.from_checkpoint(path), **options)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(chat_checkpoint):
+    server = start(chat_checkpoint, max_waiting=64)
+    yield server
+    server.stop()
+    server.loop.engine.close()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def http(server, method: str, path: str, body=None, raw: bytes | None = None):
+    """(status, headers, parsed JSON or text) of one plain request."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            status, headers, text = r.status, r.headers, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, headers, text = e.code, e.headers, e.read().decode()
+    try:
+        return status, headers, json.loads(text)
+    except json.JSONDecodeError:
+        return status, headers, text
+
+
+def metric(server, name: str) -> float:
+    _, _, text = http(server, "GET", "/metrics")
+    for line in text.splitlines():
+        if line.startswith(f"inkling_{name} ") or line.startswith(f"inkling_{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_for(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+# ---- completions ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, top_k=50, seed=7)])
+@pytest.mark.parametrize("prompt", [PROMPTS[0], [5, 9, 11, 200]])
+def test_completions_equal_engine_generate(client, oracle, sampling, prompt):
+    want = oracle(prompt, max_new_tokens=12, logprobs=True, top_logprobs=2, **sampling)
+    extra = {"top_k": sampling.pop("top_k")} if "top_k" in sampling else {}
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, logprobs=2, extra_body=extra,
+                                      **sampling)
+    choice = whole.choices[0]
+    assert choice.text == want.text and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert [len(t) for t in choice.logprobs.top_logprobs] == [2] * 12
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens == len(want.prompt_token_ids)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, logprobs=2, stream=True,
+                                            extra_body=extra, **sampling))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    streamed = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(want.logprobs, abs=1e-4)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_and_stop_token_ids(client, oracle):
+    want = oracle(PROMPTS[1], max_new_tokens=16)
+    printable = [i for i in range(2, len(want.text) - 1) if want.text[i:i + 2].isprintable() and
+                 "\ufffd" not in want.text[i:i + 2]]
+    cut = printable[0]
+    stop = want.text[cut:cut + 2]
+    cut = want.text.index(stop)
+    for stream in (False, True):
+        answer = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                           stop=[stop, "never appears"], stream=stream)
+        chunks = list(answer) if stream else [answer]
+        assert "".join(c.choices[0].text for c in chunks) == want.text[:cut]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    # a stop token id (inside `stop`, as vLLM takes them): the answer ends before its text
+    token = want.token_ids[5]
+    first = want.token_ids.index(token)
+    answer = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                       extra_body={"stop": [token]})
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].text == oracle(PROMPTS[1], max_new_tokens=first).text
+    assert answer.usage.completion_tokens == first + 1
+    wait_for(lambda: metric_running(client) == 0)
+
+
+def metric_running(client) -> float:
+    port = int(str(client.base_url).split(":")[2].split("/")[0])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("inkling_requests_running "):
+                return float(line.split()[1])
+    raise KeyError("inkling_requests_running")
+
+
+def test_chat_completions_render_the_template(client, oracle):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    prompt = "<|system|>Be brief.\n<|user|>Hi!\n<|assistant|>"  # the template, by hand
+    want = oracle(prompt, max_new_tokens=10, logprobs=True)
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, logprobs=True)
+    assert answer.choices[0].message.content == want.text and answer.choices[0].message.role == "assistant"
+    assert [c.logprob for c in answer.choices[0].logprobs.content] == pytest.approx(want.logprobs, abs=1e-4)
+    assert answer.usage.prompt_tokens == len(want.prompt_token_ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert http(server, "GET", "/health")[:3:2] == (200, {"status": "ok"})
+    _, headers, text = http(server, "GET", "/metrics")
+    assert "text/plain" in headers["Content-Type"]
+    for name in ("requests_running", "requests_waiting", "generation_tokens_total", "step_seconds_count",
+                 "prefix_cache_hit_tokens_total", "spec_accepted_tokens_total"):
+        assert f"\ninkling_{name}" in text, name
+    before = metric(server, "generation_tokens_total")
+    client.completions.create(model="tiny", prompt="x", max_tokens=3, temperature=0)
+    assert metric(server, "generation_tokens_total") == before + 3
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+
+BAD_BODIES = [
+    (None, b"{not json", "not valid JSON"),
+    ({"prompt": "hi", "max_tokens": 0}, None, "max_tokens must be an integer >= 1"),
+    ({"prompt": 7}, None, "prompt must be a string or a list of token ids"),
+    ({"prompt": ["a", "b"]}, None, "one prompt per request"),
+    ({"prompt": []}, None, "empty prompt"),
+    ({"prompt": [5, 999]}, None, "token id 999 at position 1 is out of range"),
+    ({"prompt": [5] * 3000}, None, "prompt of 3000 tokens is too long"),
+    ({"prompt": "hi", "temperature": -1}, None, "temperature must be a number >= 0"),
+    ({"prompt": "hi", "top_p": 0}, None, "top_p must be in (0, 1]"),
+    ({"prompt": "hi", "seed": -3}, None, "seed must be None or an integer in 0..2**64-1"),
+    ({"prompt": "hi", "logprobs": 50}, None, "logprobs must be an integer in 0..20"),
+    ({"prompt": "hi", "n": 2}, None, "n=2 is not supported"),
+    ({"prompt": "hi", "echo": True}, None, "echo=True is not supported"),
+    ({"prompt": "hi", "stop": {"x": 1}}, None, "stop must be a string or a list"),
+    ({"prompt": "hi", "stream": "yes"}, None, "stream must be true or false"),
+]
+
+
+@pytest.mark.parametrize("body, raw, message", BAD_BODIES, ids=[m for *_, m in BAD_BODIES])
+def test_bad_bodies_get_400_with_the_engine_message(server, body, raw, message):
+    status, _, answer = http(server, "POST", "/v1/completions", body, raw)
+    assert status == 400 and message in answer["error"]["message"], answer
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_and_chat_without_a_template(server, checkpoint, client):
+    status, _, answer = http(server, "POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
+    assert status == 404 and "gpt-9" in answer["error"]["message"]
+    status, _, answer = http(server, "POST", "/v1/chat/completions", {"messages": [{"role": "wizard"}]})
+    assert status == 400 and "messages[0] needs a role" in answer["error"]["message"]
+    plain = start(checkpoint("tiny"))  # no chat template
+    try:
+        status, _, answer = http(plain, "POST", "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 400 and "no chat template" in answer["error"]["message"]
+    finally:
+        plain.stop()
+        plain.loop.engine.close()
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_a_full_queue_gets_429_and_the_server_goes_on(checkpoint):
+    busy = start(checkpoint("tiny"), max_batch_size=1, max_waiting=1)
+    results = {}
+
+    def send(name, max_tokens):
+        results[name] = http(busy, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": max_tokens,
+                                                                "ignore_eos": True})
+
+    try:
+        first = threading.Thread(target=send, args=("first", 400))
+        first.start()
+        wait_for(lambda: metric(busy, "requests_running") == 1)
+        second = threading.Thread(target=send, args=("second", 2))
+        second.start()
+        wait_for(lambda: metric(busy, "requests_waiting") == 1)
+        status, headers, answer = http(busy, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 429 and headers["Retry-After"] == "1" and "max_waiting=1" in answer["error"]["message"]
+        first.join(60)
+        second.join(60)
+        assert results["first"][0] == results["second"][0] == 200
+        assert http(busy, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+        assert metric(busy, "requests_rejected_total") == 1
+    finally:
+        busy.stop()
+        busy.loop.engine.close()
+
+
+def test_a_failed_step_fails_only_its_requests(server, client, monkeypatch):
+    engine = server.loop.engine
+    real = engine.runner.decode
+    calls = {"n": 0}
+
+    def failing_once(reqs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected fault")
+        return real(reqs)
+
+    monkeypatch.setattr(engine.runner, "decode", failing_once)
+    status, _, answer = http(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 5})
+    assert status == 500 and "injected fault" in answer["error"]["message"]
+    calls["n"] = -100
+    chunks = []
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/v1/completions", method="POST",
+            data=json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"}), timeout=60) as r:
+        calls["n"] = 1  # the stream's second decode step fails
+        chunks = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert "injected fault" in chunks[-2] and chunks[-1] == "data: [DONE]"
+    monkeypatch.setattr(engine.runner, "decode", real)
+    assert http(server, "GET", "/health")[0] == 200
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens == 4
+
+
+# ---- concurrency ------------------------------------------------------------------------------------
+
+def test_32_concurrent_streams_equal_their_solo_runs(server, client, oracle):
+    prompts = [f"{PROMPTS[i % 4]} #{i}" for i in range(32)]
+    texts, errors = {}, []
+
+    def stream(i):
+        try:
+            chunks = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=8, temperature=0,
+                                               stream=True)
+            texts[i] = "".join(c.choices[0].text for c in chunks)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(texts) == 32
+    for i, prompt in enumerate(prompts):
+        assert texts[i] == oracle(prompt, max_new_tokens=8).text, i
+    wait_for(lambda: metric(server, "requests_running") == 0)
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    import http.client
+
+    aborted = metric_or_zero(server, 'requests_finished_total{reason="abort"}')
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 1500, "ignore_eos": True,
+                                                        "stream": True}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    for _ in range(3):
+        assert response.readline().startswith(b"data: ")
+        response.readline()
+    assert metric(server, "requests_running") == 1
+    conn.sock.shutdown(2)
+    conn.close()
+    wait_for(lambda: metric(server, "requests_running") == 0 and metric(server, "slots_free") == 8)
+    assert metric_or_zero(server, 'requests_finished_total{reason="abort"}') == aborted + 1
+    assert metric(server, "generation_tokens_total") > 0
+
+
+def metric_or_zero(server, name: str) -> float:
+    _, _, text = http(server, "GET", "/metrics")
+    line = next((line for line in text.splitlines() if line.startswith(f"inkling_{name} ")), None)
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+# ---- the CLI: serve, SIGTERM ------------------------------------------------------------------------
+
+def test_sigterm_during_traffic_exits_cleanly(chat_checkpoint):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "inkling_compiled.cli", "serve", "--model", str(chat_checkpoint),
+                             "--port", "0", "--no-compile", "--max-batch-size", "4", "--shutdown-timeout", "5"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while "serving" not in line:
+            assert time.monotonic() < deadline and proc.poll() is None, line
+            line = proc.stderr.readline()
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(model="tiny-chat", prompt="hi", max_tokens=40, stream=True,
+                                           extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        rest = list(stream)  # the request in flight is finished, not cut
+        assert (rest or [first])[-1].choices[0].finish_reason == "length"
+        assert proc.wait(30) == 0
+        assert "server stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+# ---- text as it arrives -----------------------------------------------------------------------------
+
+def test_text_stream_never_splits_a_character_and_holds_back_stop_strings(checkpoint):
+    """Byte tokens of "naïve café ✓ done" arrive one at a time: every delta is whole characters, and
+    together they are the text up to the stop string (oracle: Python's own UTF-8 decoding)."""
+    from inkling_compiled.server.text import TextStream
+    from inkling_compiled.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer.from_checkpoint(checkpoint("tiny"))
+    text = "naïve café ✓ done"
+    tokens = [3 + b for b in text.encode()]  # the tiny tokenizer: one token per byte, from id 3
+    stream = TextStream(tokenizer, ["✓ d"])
+    deltas = [stream.update(tokens[:i + 1], final=i + 1 == len(tokens)) for i in range(len(tokens))]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text[:text.index("✓ d")] and stream.stopped
+    assert stream.tokens_within(tokens) == len(text[:text.index("✓ d")].encode())
+    # without stops, everything arrives, and a character's last byte releases it at once
+    plain = TextStream(tokenizer)
+    deltas = [plain.update(tokens[:i + 1]) for i in range(len(tokens))]
+    assert "".join(deltas) == text and deltas[len("naï".encode()) - 1] == "ï"
