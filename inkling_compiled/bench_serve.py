@@ -4,7 +4,8 @@ A closed loop per client: each of C clients sends a request (a random prompt of 
 eos ignored, streamed) and sends the next when the last one ends, until the workload's requests are
 done. Over HTTP the clients are threads with a plain HTTP/1.1 connection each, reading server-sent
 events; through the API the same C requests are kept in flight with `add_request` and `step`. Both use
-one compiled engine. Reported: requests/s, output tokens/s, time to first token and inter-token latency
+one compiled engine. The HTTP clients run in a process of their own (as clients do), so their parsing
+does not share the server's interpreter. Reported: requests/s, output tokens/s, time to first token and inter-token latency
 (p50, p99; a chunk of the stream or an output of `step` is a token's arrival), and HTTP over API.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -93,6 +96,20 @@ def _stream(port: int, prompt: list[int], new_tokens: int) -> tuple[float, list[
 
 
 def run_http(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+    """The HTTP clients, in a child process; their summary."""
+    job = json.dumps({"port": port, "prompts": prompts, "concurrency": concurrency, "new_tokens": new_tokens})
+    run = subprocess.run([sys.executable, "-c", "from inkling_compiled.bench_serve import client_main; client_main()"],
+                         input=job, capture_output=True, text=True, check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def client_main() -> None:
+    """The child process of `run_http`: the job as JSON on stdin, its summary as JSON on stdout."""
+    job = json.loads(sys.stdin.read())
+    print(json.dumps(_clients(job["port"], job["prompts"], job["concurrency"], job["new_tokens"])))
+
+
+def _clients(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
     pending = list(range(len(prompts)))
     starts, arrivals = [0.0] * len(prompts), [[] for _ in prompts]
     lock = threading.Lock()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -194,10 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.chat import ChatTemplate
     from .server.serve import ApiServer
 
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         print("error: serve needs FastAPI and uvicorn: pip install 'inkling-compiled[serve]'", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from ..errors import RequestError
+from ..errors import InklingError, RequestError
 from ..requests import RequestOutput
 from .chat import ChatTemplate, checked_messages
 from .loop import STEP_BUCKETS, EngineLoop, QueueFull
@@ -60,29 +61,34 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
             body = await body_of(request)
             check_model(body)
             job: Job = make_job(body)
-            sub = loop.submit(job.prompt, job.params, asyncio.get_running_loop())
+            # off the event loop: adding waits for the engine's lock, which a step holds
+            sub = await asyncio.to_thread(loop.submit, job.prompt, job.params, asyncio.get_running_loop())
         except RequestError as e:
             return error(400, str(e))
         except LookupError as e:
             return error(404, str(e), "not_found_error")
         except QueueFull as e:
             return error(429, str(e), "rate_limit_exceeded", headers={"Retry-After": "1"})
-        except RuntimeError as e:  # the engine can serve no more
+        except (RuntimeError, InklingError) as e:  # the engine can serve no more (closed, a rank died)
             return error(503, str(e), "server_error")
         answer = Answer(job, sub.request_id, model_name, tokenizer)
         if job.stream:
             return StreamingResponse(stream_events(sub, answer), media_type="text/event-stream")
+        watch = ClientWatch(request)
         try:
             while True:
-                item = await sub.queue.get()
+                item = await next_output(sub, watch)
                 if isinstance(item, BaseException):
                     return error(500, str(item), "server_error")
                 answer.update(item)
                 if answer.done:
                     break
-        except asyncio.CancelledError:  # the client went away while waiting
+        except asyncio.CancelledError:
             loop.abort(sub.request_id)
             raise
+        except ClientGone:  # nobody reads the answer: free the request's slot now
+            loop.abort(sub.request_id)
+            return Response(status_code=499)
         if answer.stopped_early:
             loop.abort(sub.request_id)
         if item.finish_reason == "error":
@@ -131,9 +137,39 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus(loop), media_type="text/plain; version=0.0.4")
+        text = await asyncio.to_thread(prometheus, loop)  # engine.stats() waits for the engine's lock
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class ClientGone(Exception):
+    """The client of a request that is not streamed closed its connection."""
+
+
+class ClientWatch:
+    """Asks at most every `every` seconds whether a request's client is still connected (outputs arrive
+    every step, so the check cannot wait for a quiet moment)."""
+
+    def __init__(self, request, every: float = 0.25):
+        self.request, self.every = request, every
+        self.due = time.monotonic() + every
+
+    async def check(self) -> None:
+        if time.monotonic() >= self.due:
+            self.due = time.monotonic() + self.every
+            if await self.request.is_disconnected():
+                raise ClientGone()
+
+
+async def next_output(sub, watch: ClientWatch):
+    """The request's next output, or ClientGone once its client has left."""
+    while True:
+        await watch.check()
+        try:
+            return await asyncio.wait_for(sub.queue.get(), timeout=watch.every)
+        except asyncio.TimeoutError:
+            continue
 
 
 def sse(obj: dict) -> str:

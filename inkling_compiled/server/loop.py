@@ -62,6 +62,10 @@ class EngineLoop:
         self._sent: dict[str, int] = {}  # request id -> tokens already counted in generation_tokens
         self._lock = threading.Lock()  # _subs, _sent and the metrics
         self._wake = threading.Event()
+        # Handlers adding a request right now. The loop lets them in before its next step: the engine's lock
+        # is not fair, and a loop that takes it again at once would keep a new request out for steps.
+        self._adding = 0
+        self._added = threading.Condition()
         self._stopping = False
         self.failure: str | None = None  # set when the engine can serve no more (a tensor-parallel rank died)
         self.started = time.time()
@@ -75,14 +79,21 @@ class EngineLoop:
         """Adds a request (a RequestError for bad input, QueueFull past `max_waiting`)."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
-        with self._lock:
-            if len(self.engine.waiting) >= self.max_waiting:
-                self.metrics.rejected += 1
-                raise QueueFull(f"{len(self.engine.waiting)} requests are waiting for a slot (max_waiting="
-                                f"{self.max_waiting}); retry shortly")
-            rid = self.engine.add_request(prompt, params)
-            sub = self._subs[rid] = Subscription(rid, loop)
-            self._sent[rid] = 0  # its prompt tokens are counted when its first output says how many
+        with self._added:
+            self._adding += 1
+        try:
+            with self._lock:
+                if len(self.engine.waiting) >= self.max_waiting:
+                    self.metrics.rejected += 1
+                    raise QueueFull(f"{len(self.engine.waiting)} requests are waiting for a slot (max_waiting="
+                                    f"{self.max_waiting}); retry shortly")
+                rid = self.engine.add_request(prompt, params)
+                sub = self._subs[rid] = Subscription(rid, loop)
+                self._sent[rid] = 0  # its prompt tokens are counted when its first output says how many
+        finally:
+            with self._added:
+                self._adding -= 1
+                self._added.notify_all()
         self._wake.set()
         return sub
 
@@ -112,6 +123,8 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping:
+            with self._added:  # requests being added go in first (bounded: a handler never waits long)
+                self._added.wait_for(lambda: self._adding == 0, timeout=0.05)
             if not engine.has_unfinished():
                 self._wake.wait(0.1)
                 self._wake.clear()

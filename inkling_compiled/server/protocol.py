@@ -187,7 +187,7 @@ def chat_logprobs(tokenizer, out: RequestOutput, start: int, end: int) -> dict:
 def finish_reason(out: RequestOutput, stopped_by_text: bool) -> str | None:
     if stopped_by_text:
         return "stop"
-    return {"stop": "stop", "length": "length"}.get(out.finish_reason)
+    return out.finish_reason if out.finish_reason in ("stop", "length", "abort") else None
 
 
 def envelope(job: Job, rid: str, model: str, choice: dict, chunk: bool) -> dict:
