@@ -1,8 +1,11 @@
-"""gloo all-reduce latency between two processes of this machine (loopback), one thread each.
+"""gloo all-reduce latency between two processes of this machine (loopback), one thread each, and what
+the alternative it is weighed against costs: one short-conv decode call over the full hidden of `small`.
 
     OMP_NUM_THREADS=1 python tools/gloo_latency.py
 
-The floor under every collective of a tensor-parallel step on CPU (see the README's Several devices).
+The first is the floor under every collective of a tensor-parallel step on CPU; the two together are why
+the attention-output and MLP-output convs stay replicated rather than sharded with a gather (see the
+README's Several devices).
 """
 
 import os
@@ -30,7 +33,24 @@ def main(rank: int, world: int, port: int) -> None:
     dist.destroy_process_group()
 
 
+def conv_cost(hidden: int = 512, kernel: int = 4, slots: int = 32) -> None:
+    from inkling_compiled import custom_ops  # noqa: F401  (registers torch.ops.inkling)
+
+    torch.set_num_threads(1)
+    for batch in (1, 8):
+        x, weight = torch.randn(batch, hidden), torch.randn(hidden, kernel)
+        state = torch.zeros(slots + 1, kernel - 1, hidden)
+        rows = torch.arange(1, batch + 1, dtype=torch.int32)
+        for _ in range(100):
+            torch.ops.inkling.sconv_decode(x, state, weight, rows)
+        t = time.perf_counter()
+        for _ in range(2000):
+            torch.ops.inkling.sconv_decode(x, state, weight, rows)
+        print(f"sconv_decode, hidden {hidden}, batch {batch}: {(time.perf_counter() - t) / 2000 * 1e6:7.1f} us per call")
+
+
 if __name__ == "__main__":
+    conv_cost()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
