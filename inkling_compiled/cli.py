@@ -201,14 +201,15 @@ def _serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     name = args.served_model_name or Path(args.model).resolve().name
     chat_template = ChatTemplate.from_checkpoint(args.model)
-    engine = Engine.from_pretrained(args.model, **_engine_args(args))
+    engine = Engine.from_pretrained(args.model, max_model_len=args.max_model_len, **_engine_args(args))
     if engine.tokenizer is None:
         engine.close()
         print(f"error: {args.model} has no tokenizer.json: the server answers in text", file=sys.stderr)
         return 2
     with engine:
         server = ApiServer(engine, host=args.host, port=args.port, model_name=name, max_waiting=args.max_waiting,
-                           chat_template=chat_template, shutdown_timeout=args.shutdown_timeout)
+                           chat_template=chat_template, shutdown_timeout=args.shutdown_timeout,
+                           default_max_tokens=args.max_new_tokens)
         port = server.bind()
         print(f"inkling-compiled: serving {name!r} at http://{args.host}:{port}/v1 (chat "
               f"{'on' if chat_template else 'off: no chat template'}); SIGINT or SIGTERM stops it", file=sys.stderr,
@@ -443,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests that may wait for a slot; more get 429 with Retry-After")
     srv.add_argument("--shutdown-timeout", type=float, default=10.0,
                      help="seconds SIGINT/SIGTERM waits for requests in flight before aborting them")
+    srv.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + generated tokens per request")
     _add_engine_options(srv)
     srv.set_defaults(run=_serve)
 

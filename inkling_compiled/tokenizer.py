@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -35,6 +37,10 @@ def write_byte_tokenizer(path: str | Path, *, pad_id: int = 0, bos_id: int = 1, 
     tok.save(str(path))
 
 
+_BYTE_OF_CHAR = {ch: b for b, ch in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
 class TextTokenizer:
     """Thin wrapper: encode without special tokens, decode skipping them and ids the vocab lacks."""
 
@@ -46,6 +52,22 @@ class TextTokenizer:
         except Exception as e:  # the tokenizers library raises its own bare Exception
             raise CheckpointError(f"{path} cannot be read as a tokenizer: {e}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+        self._byte_level = "ByteLevel" in kinds  # GPT-2 style: each byte spelled as one printable character
+        self._special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level token's bytes, a byte-fallback piece's byte ("<0xC3>"),
+        a SentencePiece piece with its word-start mark as a space; a special token's own spelling."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        if self._byte_level and token_id not in self._special and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()
 
     @classmethod
     def from_checkpoint(cls, folder: str | Path) -> "TextTokenizer | None":

@@ -131,12 +131,20 @@ def test_stop_strings_and_stop_token_ids(client, oracle):
     cut = printable[0]
     stop = want.text[cut:cut + 2]
     cut = want.text.index(stop)
+    stopped = metric_or_zero(client_server(client), 'requests_finished_total{reason="stop"}')
+    counts = []
     for stream in (False, True):
         answer = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
-                                           stop=[stop, "never appears"], stream=stream)
+                                           stop=[stop, "never appears"], stream=stream, logprobs=1,
+                                           stream_options={"include_usage": True} if stream else None)
         chunks = list(answer) if stream else [answer]
-        assert "".join(c.choices[0].text for c in chunks) == want.text[:cut]
-        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text[:cut]
+        assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "stop"
+        # logprobs cover exactly the tokens whose text is in the answer, streamed or not, as usage says
+        logprobs = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        counts.append((len(logprobs), chunks[-1].usage.completion_tokens))
+    assert counts[0] == counts[1] and counts[0][0] == counts[0][1] <= len(want.token_ids)
+    wait_for(lambda: metric_or_zero(client_server(client), 'requests_finished_total{reason="stop"}') == stopped + 2)
     # a stop token id (inside `stop`, as vLLM takes them): the answer ends before its text
     token = want.token_ids[5]
     first = want.token_ids.index(token)
@@ -146,6 +154,11 @@ def test_stop_strings_and_stop_token_ids(client, oracle):
     assert answer.choices[0].text == oracle(PROMPTS[1], max_new_tokens=first).text
     assert answer.usage.completion_tokens == first + 1
     wait_for(lambda: metric_running(client) == 0)
+
+
+def client_server(client):
+    """A stand-in with the `port` of the server `client` talks to (for `metric`)."""
+    return type("S", (), {"port": int(str(client.base_url).split(":")[2].split("/")[0])})
 
 
 def metric_running(client) -> float:
@@ -165,6 +178,9 @@ def test_chat_completions_render_the_template(client, oracle):
     assert answer.choices[0].message.content == want.text and answer.choices[0].message.role == "assistant"
     assert [c.logprob for c in answer.choices[0].logprobs.content] == pytest.approx(want.logprobs, abs=1e-4)
     assert answer.usage.prompt_tokens == len(want.prompt_token_ids)
+    # each token's bytes, joined, are the answer's text (the tiny tokenizer's token t is byte t - 3)
+    joined = b"".join(bytes(c.bytes) for c in answer.choices[0].logprobs.content)
+    assert joined == bytes(t - 3 for t in want.token_ids if t >= 3) and joined.decode(errors="replace") == want.text
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -200,6 +216,9 @@ BAD_BODIES = [
     ({"prompt": "hi", "seed": -3}, None, "seed must be None or an integer in 0..2**64-1"),
     ({"prompt": "hi", "logprobs": 50}, None, "logprobs must be an integer in 0..20"),
     ({"prompt": "hi", "n": 2}, None, "n=2 is not supported"),
+    ({"prompt": "hi", "n": True}, None, "n=True is not supported"),
+    ({"prompt": "hi", "stop_token_ids": 0}, None, "stop_token_ids must be a list"),
+    ({"prompt": "x" * (64 * 2048 + 1)}, None, "prompt of 131073 characters is too long"),
     ({"prompt": "hi", "echo": True}, None, "echo=True is not supported"),
     ({"prompt": "hi", "stop": {"x": 1}}, None, "stop must be a string or a list"),
     ({"prompt": "hi", "stream": "yes"}, None, "stream must be true or false"),
@@ -216,6 +235,8 @@ def test_bad_bodies_get_400_with_the_engine_message(server, body, raw, message):
 def test_unknown_model_and_chat_without_a_template(server, checkpoint, client):
     status, _, answer = http(server, "POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
     assert status == 404 and "gpt-9" in answer["error"]["message"]
+    status, _, answer = http(server, "GET", "/v1/nothing")
+    assert status == 404 and answer["error"]["type"] == "not_found_error"
     status, _, answer = http(server, "POST", "/v1/chat/completions", {"messages": [{"role": "wizard"}]})
     assert status == 400 and "messages[0] needs a role" in answer["error"]["message"]
     plain = start(checkpoint("tiny"))  # no chat template
@@ -258,26 +279,26 @@ def test_a_full_queue_gets_429_and_the_server_goes_on(checkpoint):
 
 
 def test_a_failed_step_fails_only_its_requests(server, client, monkeypatch):
+    """The second decode step of a request raises (the only request in flight): a 500 for the whole
+    answer, an error event then [DONE] for a stream; then the server answers as before."""
     engine = server.loop.engine
     real = engine.runner.decode
     calls = {"n": 0}
 
-    def failing_once(reqs):
+    def failing_second(reqs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected fault")
         return real(reqs)
 
-    monkeypatch.setattr(engine.runner, "decode", failing_once)
+    monkeypatch.setattr(engine.runner, "decode", failing_second)
     status, _, answer = http(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 5})
     assert status == 500 and "injected fault" in answer["error"]["message"]
-    calls["n"] = -100
-    chunks = []
+    calls["n"] = 0
     with urllib.request.urlopen(urllib.request.Request(
             f"http://127.0.0.1:{server.port}/v1/completions", method="POST",
             data=json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True}).encode(),
             headers={"Content-Type": "application/json"}), timeout=60) as r:
-        calls["n"] = 1  # the stream's second decode step fails
         chunks = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
     assert "injected fault" in chunks[-2] and chunks[-1] == "data: [DONE]"
     monkeypatch.setattr(engine.runner, "decode", real)
@@ -347,10 +368,13 @@ def metric_or_zero(server, name: str) -> float:
 # ---- the CLI: serve, SIGTERM ------------------------------------------------------------------------
 
 def test_sigterm_during_traffic_exits_cleanly(chat_checkpoint):
+    """A request in flight when SIGTERM comes finishes; one that would outlast --shutdown-timeout ends with
+    finish_reason "abort" and [DONE]; the process exits 0. A completion without max_tokens takes
+    --max-new-tokens."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "inkling_compiled.cli", "serve", "--model", str(chat_checkpoint),
-                             "--port", "0", "--no-compile", "--max-batch-size", "4", "--shutdown-timeout", "5"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+                             "--port", "0", "--no-compile", "--max-batch-size", "4", "--shutdown-timeout", "2",
+                             "--max-new-tokens", "5"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = ""
         deadline = time.monotonic() + 120
@@ -359,13 +383,17 @@ def test_sigterm_during_traffic_exits_cleanly(chat_checkpoint):
             line = proc.stderr.readline()
         port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        stream = client.completions.create(model="tiny-chat", prompt="hi", max_tokens=40, stream=True,
-                                           extra_body={"ignore_eos": True})
-        first = next(iter(stream))
+        assert client.completions.create(model="tiny-chat", prompt="hi").usage.completion_tokens == 5
+        short = client.completions.create(model="tiny-chat", prompt="hi", max_tokens=40, stream=True,
+                                          extra_body={"ignore_eos": True})
+        long = client.completions.create(model="tiny-chat", prompt="ho", max_tokens=1900, stream=True,
+                                         extra_body={"ignore_eos": True})
+        firsts = [next(iter(short)), next(iter(long))]
         proc.send_signal(signal.SIGTERM)
-        rest = list(stream)  # the request in flight is finished, not cut
-        assert (rest or [first])[-1].choices[0].finish_reason == "length"
-        assert proc.wait(30) == 0
+        started = time.monotonic()
+        ends = [([firsts[0]] + list(short))[-1], ([firsts[1]] + list(long))[-1]]
+        assert [e.choices[0].finish_reason for e in ends] == ["length", "abort"]
+        assert proc.wait(30) == 0 and time.monotonic() - started < 15
         assert "server stopped" in proc.stderr.read()
     finally:
         if proc.poll() is None:
@@ -388,7 +416,10 @@ def test_text_stream_never_splits_a_character_and_holds_back_stop_strings(checkp
     deltas = [stream.update(tokens[:i + 1], final=i + 1 == len(tokens)) for i in range(len(tokens))]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text[:text.index("✓ d")] and stream.stopped
-    assert stream.tokens_within(tokens) == len(text[:text.index("✓ d")].encode())
+    assert stream.tokens_within() == len(text[:text.index("✓ d")].encode())
+    # each token's offset is where its character starts (the bytes of "ï" share one)
+    want = [i for i, ch in enumerate(text) for _ in ch.encode()]
+    assert stream.offsets == want[:len(stream.offsets)]
     # without stops, everything arrives, and a character's last byte releases it at once
     plain = TextStream(tokenizer)
     deltas = [plain.update(tokens[:i + 1]) for i in range(len(tokens))]

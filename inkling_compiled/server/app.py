@@ -19,6 +19,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InklingError, RequestError
 from ..requests import RequestOutput
@@ -29,12 +30,19 @@ from .protocol import (Job, chat_job, chat_logprobs, completion_job, completion_
 from .text import TextStream
 
 
-def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | None = None) -> FastAPI:
+def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | None = None,
+              default_max_tokens: int = 16) -> FastAPI:
+    """`default_max_tokens`: a completion's length when the body gives none (the API's default is 16)."""
     engine = loop.engine
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError("serving needs the checkpoint's tokenizer.json (responses are text)")
     app = FastAPI(title="inkling-compiled", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):  # unknown routes and methods too
+        return error(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                     "not_found_error" if e.status_code == 404 else "invalid_request_error")
 
     def error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
         return JSONResponse(error_body(message, kind), status_code=status, headers=headers)
@@ -90,7 +98,7 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
             loop.abort(sub.request_id)
             return Response(status_code=499)
         if answer.stopped_early:
-            loop.abort(sub.request_id)
+            loop.abort(sub.request_id, reason="stop")
         if item.finish_reason == "error":
             return error(500, f"the engine failed this request: {item.error}", "server_error")
         return JSONResponse(answer.whole())
@@ -114,11 +122,11 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
             yield "data: [DONE]\n\n"
         finally:
             if not finished or answer.stopped_early:  # the client left (or a stop string ended it): free it now
-                loop.abort(sub.request_id)
+                loop.abort(sub.request_id, reason="stop" if answer.stopped_early else "abort")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serve(request, completion_job)
+        return await serve(request, lambda body: completion_job(body, default_max_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -197,7 +205,7 @@ class Answer:
             self.done = True
             self.stopped_early = not final
         self.done = self.done or final
-        upto = self.kept_tokens() if self.done else len(out.token_ids)
+        upto = self.kept_tokens() if self.done else self.text.tokens_sent()  # logprobs follow the text sent
         chunks = []
         if self.job.chat and not self.started:
             self.started = True
@@ -222,23 +230,25 @@ class Answer:
 
     def kept_tokens(self) -> int:
         """Tokens whose text the answer holds (what its logprobs cover)."""
-        return self.text.tokens_within(self._answered_tokens(self.out))
+        return self.text.tokens_within()
 
     def completion_tokens(self) -> int:
         """Tokens generated for the answer: all of them, or up to where a stop string cut the text."""
         return self.kept_tokens() if self.text.stopped else len(self.out.token_ids)
 
-    def _logprobs(self, start: int, end: int) -> dict | None:
-        if self.job.top_logprobs is None or end <= start:
+    def _logprobs(self, start: int, end: int, whole: bool = False) -> dict | None:
+        """Logprobs of tokens [start, end) when the request asked for them; a chunk without tokens has none,
+        a whole answer always has the object (empty when there are no tokens)."""
+        if self.job.top_logprobs is None or (end <= start and not whole):
             return None
         make = chat_logprobs if self.job.chat else completion_logprobs
-        return make(self.tokenizer, self.out, start, end)
+        return make(self.tokenizer, self.out, self.text.offsets, start, end)
 
     def whole(self) -> dict:
         n = self.kept_tokens()
         text = self.text.text
         reason = finish_reason(self.out, self.text.stopped)
-        logprobs = self._logprobs(0, n)
+        logprobs = self._logprobs(0, n, whole=True)
         choice = {"message": {"role": "assistant", "content": text}} if self.job.chat else {"text": text}
         body = envelope(self.job, self.request_id, self.model,
                         {**choice, "logprobs": logprobs, "finish_reason": reason}, chunk=False)

@@ -59,8 +59,8 @@ class ChatTemplate:
 
         try:
             return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
-        except TemplateError as e:
-            raise RequestError(f"the chat template cannot render these messages: {e}") from None
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
 
 
 def checked_messages(messages) -> list[dict]:

@@ -18,6 +18,7 @@ from ..requests import RequestOutput
 
 log = logging.getLogger("inkling_compiled")
 
+MAX_CHARS_PER_TOKEN = 64  # a text prompt longer than this times max_model_len is refused before tokenizing
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)  # seconds
 
 
@@ -60,6 +61,7 @@ class EngineLoop:
         self.metrics = Metrics()
         self._subs: dict[str, Subscription] = {}
         self._sent: dict[str, int] = {}  # request id -> tokens already counted in generation_tokens
+        self._reasons: dict[str, str] = {}  # request id -> why the server ended it (counted for /metrics)
         self._lock = threading.Lock()  # _subs, _sent and the metrics
         self._wake = threading.Event()
         # Handlers adding a request right now. The loop lets them in before its next step: the engine's lock
@@ -76,9 +78,16 @@ class EngineLoop:
         return self
 
     def submit(self, prompt, params, loop: asyncio.AbstractEventLoop) -> Subscription:
-        """Adds a request (a RequestError for bad input, QueueFull past `max_waiting`)."""
+        """Adds a request (a RequestError for bad input, QueueFull past `max_waiting`). A text prompt is
+        tokenized here, before any lock: a long one delays only its own request."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
+        if isinstance(prompt, str):
+            limit = MAX_CHARS_PER_TOKEN * self.engine.max_model_len
+            if len(prompt) > limit:  # no tokenizer packs more than that into max_model_len tokens
+                raise RequestError(f"prompt of {len(prompt)} characters is too long for max_model_len="
+                                   f"{self.engine.max_model_len} tokens")
+            prompt = self.engine.tokenizer.encode(prompt)
         with self._added:
             self._adding += 1
         try:
@@ -97,15 +106,29 @@ class EngineLoop:
         self._wake.set()
         return sub
 
-    def abort(self, request_id: str) -> None:
-        """Ends a request whose client went away (or whose stop string came): its slot and pages are freed
-        now; nothing more is delivered for it."""
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Ends a request whose client went away (or, `reason="stop"`, whose stop string came: /metrics counts
+        it as stopped): its slot and pages are freed now; nothing more is delivered for it."""
         with self._lock:
             self._subs.pop(request_id, None)
+            if request_id in self._sent:
+                self._reasons[request_id] = reason
         try:
             self.engine.abort(request_id)
         except RequestError:  # it finished meanwhile
             pass
+
+    def abort_all(self) -> None:
+        """Ends every request the engine has (shutdown past its timeout): each one's handler gets a final
+        output with finish_reason "abort" and answers with it."""
+        with self._lock:
+            rids = list(self._sent)
+        for rid in rids:
+            try:
+                self.engine.abort(rid)
+            except RequestError:  # finished meanwhile
+                pass
+        self._wake.set()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Aborts what is left and joins the thread."""
@@ -156,7 +179,8 @@ class EngineLoop:
         self.metrics.generation_tokens += len(out.token_ids) - sent
         self._sent[rid] = len(out.token_ids)
         if out.finished:
-            self.metrics.finished[out.finish_reason] = self.metrics.finished.get(out.finish_reason, 0) + 1
+            reason = self._reasons.pop(rid, out.finish_reason)
+            self.metrics.finished[reason] = self.metrics.finished.get(reason, 0) + 1
             del self._sent[rid]
         sub = self._subs.pop(rid, None) if out.finished else self._subs.get(rid)
         if sub is not None:

@@ -16,7 +16,6 @@ from ..checks import is_finite, is_int
 from ..errors import RequestError
 from ..requests import RequestOutput
 from ..sampling import MAX_TOP_LOGPROBS, SamplingParams
-from .text import token_offsets
 
 
 @dataclasses.dataclass
@@ -40,8 +39,8 @@ _UNSUPPORTED = {  # field -> the values that are fine (the API's defaults)
 
 
 def _refuse_unsupported(body: dict) -> None:
-    for name, fine in _UNSUPPORTED.items():
-        if name in body and body[name] not in fine:
+    for name, fine in _UNSUPPORTED.items():  # by type too: true is not 1
+        if name in body and not any(type(body[name]) is type(v) and body[name] == v for v in fine):
             raise RequestError(f"{name}={body[name]!r} is not supported by this server (only {fine[1]!r})")
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
@@ -75,7 +74,8 @@ def _stops(body: dict) -> tuple[list[str], list[int]]:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) or is_int(s) for s in stop):
         raise RequestError(f"stop must be a string or a list of strings and token ids, got {body.get('stop')!r}")
-    ids = body.get("stop_token_ids") or []
+    ids = body.get("stop_token_ids")
+    ids = [] if ids is None else ids
     if not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise RequestError(f"stop_token_ids must be a list of token ids, got {body.get('stop_token_ids')!r}")
     return [s for s in stop if isinstance(s, str)], [int(t) for t in stop if not isinstance(t, str)] + list(ids)
@@ -87,7 +87,7 @@ def _prompt(body: dict) -> str | list[int]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) or (isinstance(prompt, list) and all(is_int(t) for t in prompt)):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise RequestError(f"one prompt per request: got {len(prompt)}")
     raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
@@ -154,31 +154,33 @@ def usage(out: RequestOutput, completion_tokens: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
-def _token_text(tokenizer, token: int) -> str:
-    """A token as text; a token that is part of a character (a byte of it) as "token_id:N", so that two
-    such tokens never share a key in `top_logprobs` (vLLM spells them the same way)."""
-    text = tokenizer.decode([token])
-    return f"token_id:{token}" if "\ufffd" in text else text
+def token_text(tokenizer, token: int) -> str:
+    """A token as the API names it: its own text (a word-start space included), or, when its bytes are
+    not whole characters (one byte of a character), "bytes:\\xc3" as OpenAI spells those."""
+    raw = tokenizer.token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def completion_logprobs(tokenizer, out: RequestOutput, start: int, end: int) -> dict:
-    """OpenAI's legacy logprobs object for generated tokens [start, end)."""
-    tokens = out.token_ids[start:end]
+def completion_logprobs(tokenizer, out: RequestOutput, offsets: list[int], start: int, end: int) -> dict:
+    """OpenAI's legacy logprobs object for generated tokens [start, end); `offsets` where each one's text
+    starts (`TextStream.offsets`)."""
     tops = (out.top_logprobs or [[]] * len(out.token_ids))[start:end]
-    offsets = token_offsets(tokenizer, out.token_ids, start, end)
-    return {"tokens": [_token_text(tokenizer, t) for t in tokens],
+    return {"tokens": [token_text(tokenizer, t) for t in out.token_ids[start:end]],
             "token_logprobs": out.logprobs[start:end],
-            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in top} for top in tops],
-            "text_offset": offsets}
+            "top_logprobs": [{token_text(tokenizer, t): lp for t, lp in top} for top in tops],
+            "text_offset": offsets[start:end]}
 
 
-def chat_logprobs(tokenizer, out: RequestOutput, start: int, end: int) -> dict:
+def chat_logprobs(tokenizer, out: RequestOutput, offsets: list[int], start: int, end: int) -> dict:
     """The chat API's logprobs object for generated tokens [start, end)."""
     tops = (out.top_logprobs or [[]] * len(out.token_ids))[start:end]
 
     def entry(token: int, logprob: float) -> dict:
-        text = _token_text(tokenizer, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": token_text(tokenizer, token), "logprob": logprob,
+                "bytes": list(tokenizer.token_bytes(token))}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
                         for t, lp, top in zip(out.token_ids[start:end], out.logprobs[start:end], tops)]}

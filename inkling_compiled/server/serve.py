@@ -11,23 +11,46 @@ import signal
 import socket
 import threading
 
+import uvicorn
+
 from .app import build_app
 from .chat import ChatTemplate
 from .loop import EngineLoop
 
 
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, telling us when a signal asked it to shut down."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self.on_exit()
+        super().handle_exit(sig, frame)
+
+
 class ApiServer:
     def __init__(self, engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "inkling",
-                 max_waiting: int = 256, chat_template: ChatTemplate | None = None, shutdown_timeout: float = 10.0):
-        import uvicorn
-
-        self.host, self.port = host, port
+                 max_waiting: int = 256, chat_template: ChatTemplate | None = None, shutdown_timeout: float = 10.0,
+                 default_max_tokens: int = 16):
+        self.host, self.port, self.shutdown_timeout = host, port, shutdown_timeout
         self.loop = EngineLoop(engine, max_waiting)
-        self.app = build_app(self.loop, model_name, chat_template)
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
-                                                     timeout_graceful_shutdown=shutdown_timeout))
+        self.app = build_app(self.loop, model_name, chat_template, default_max_tokens)
+        # uvicorn's own deadline comes later than ours: by then every request has answered with "abort".
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
+                                timeout_graceful_shutdown=shutdown_timeout + 5)
+        self.uvicorn = _Uvicorn(config, self._shutting_down)
+        self._deadline: threading.Timer | None = None
         self._thread: threading.Thread | None = None
         self._socket: socket.socket | None = None
+
+    def _shutting_down(self) -> None:
+        """A signal came: requests in flight get `shutdown_timeout` seconds, then are aborted."""
+        if self._deadline is None:
+            self._deadline = threading.Timer(self.shutdown_timeout, self.loop.abort_all)
+            self._deadline.daemon = True
+            self._deadline.start()
 
     def bind(self) -> int:
         """Listens on (host, port) now, a free port when port is 0; returns the port."""
@@ -35,6 +58,7 @@ class ApiServer:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
+        sock.listen(2048)  # connections queue from now on, before uvicorn takes the socket over
         self.port = sock.getsockname()[1]
         self._socket = sock
         return self.port
@@ -47,6 +71,8 @@ class ApiServer:
         try:
             self.uvicorn.run(sockets=[self._socket])
         finally:
+            if self._deadline is not None:
+                self._deadline.cancel()
             self.loop.stop()
 
     def run_until_signal(self) -> None:

@@ -3,11 +3,16 @@
 Token ids come in a few at a time (one per step, more with speculative decoding). Decoding each new
 token alone is wrong twice over: a byte-level token may hold half of a UTF-8 character, and tokenizers
 that mark word starts (SentencePiece's "▁") drop a leading space when decoding a suffix. So the stream
-decodes a short window that starts at a character boundary it has already passed and keeps what the new
-tokens add (the approach vLLM's detokenizer takes), and waits while the end is an incomplete character.
+decodes a short window that starts at a character boundary it has already passed and keeps what each
+new token adds (the approach vLLM's detokenizer takes), and waits while the end is an incomplete
+character. Every token gets the offset where its text starts (OpenAI's `text_offset`): a token that
+only begins a character starts where that character does. The work per token is a window's decode,
+never the whole text again.
 """
 
 from __future__ import annotations
+
+import bisect
 
 _INCOMPLETE = "\ufffd"  # what a decoder gives for the bytes of a character that has not ended yet
 
@@ -23,23 +28,29 @@ class TextStream:
         self.text = ""  # every whole character decoded so far (up to the stop, once stopped)
         self.sent = 0  # characters of `text` already sent
         self.stopped = False
+        self.offsets: list[int] = []  # where each token seen so far starts in `text`
         self._window = 0  # first token of the decode window (a character boundary)
         self._read = 0  # tokens whose text is in `text`
 
-    def _decode_new(self, tokens: list[int], final: bool) -> None:
-        window = self.tokenizer.decode(tokens[self._window:])
-        known = self.tokenizer.decode(tokens[self._window:self._read])
-        if len(tokens) > self._read and (final or not window.endswith(_INCOMPLETE)) and window.startswith(known):
-            self.text += window[len(known):]
-            self._window, self._read = self._read, len(tokens)
-        elif final and len(tokens) > self._read:  # a decoder that rewrote the window: take the whole text
-            self.text = self.tokenizer.decode(tokens)
-            self._read = len(tokens)
+    def _take(self, tokens: list[int], final: bool) -> None:
+        """Tokens past the ones seen, one at a time: each is given its offset, and the text grows whenever
+        the window's end is a whole character (or the tokens are final)."""
+        for end in range(len(self.offsets) + 1, len(tokens) + 1):
+            self.offsets.append(len(self.text))
+            window = self.tokenizer.decode(tokens[self._window:end])
+            if window.endswith(_INCOMPLETE) and not (final and end == len(tokens)):
+                continue
+            known = self.tokenizer.decode(tokens[self._window:self._read])
+            if window.startswith(known):
+                self.text += window[len(known):]
+            else:  # a decoder that rewrote the window: take the whole text again
+                self.text = self.tokenizer.decode(tokens[:end])
+            self._window, self._read = self._read, end
 
     def update(self, tokens: list[int], final: bool = False) -> str:
         if self.stopped:
             return ""
-        self._decode_new(tokens, final)
+        self._take(tokens, final)
         if self.stops:
             start = max(0, self.sent - self.hold)
             found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
@@ -49,14 +60,12 @@ class TextStream:
         delta, self.sent = self.text[self.sent:end], end
         return delta
 
-    def tokens_within(self, tokens: list[int]) -> int:
-        """How many of `tokens` start inside the text (all of them, unless a stop string cut it)."""
+    def tokens_within(self) -> int:
+        """How many of the tokens seen start inside the text (all of them, unless a stop string cut it)."""
         if not self.stopped:
-            return len(tokens)
-        return sum(1 for offset in token_offsets(self.tokenizer, tokens) if offset < len(self.text))
+            return len(self.offsets)
+        return bisect.bisect_left(self.offsets, len(self.text))
 
-
-def token_offsets(tokenizer, tokens: list[int], start: int = 0, end: int | None = None) -> list[int]:
-    """Where tokens [start, end) start in the decoded text of `tokens` (OpenAI's `text_offset`)."""
-    end = len(tokens) if end is None else end
-    return [len(tokenizer.decode(tokens[:i]).rstrip(_INCOMPLETE)) for i in range(start, end)]
+    def tokens_sent(self) -> int:
+        """How many tokens start inside the text already sent (their logprobs may go out with it)."""
+        return bisect.bisect_left(self.offsets, self.sent)
