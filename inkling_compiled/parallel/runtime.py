@@ -9,8 +9,9 @@ their own shards and run the same forward; the collectives inside it (`group.Ten
 the compute group (gloo on CPU, NCCL on GPU). Every rank samples from the same gathered logits, so the
 tokens rank 0 computes are everyone's and nothing comes back.
 
-The control group waits without a deadline (an engine may idle for hours); the compute group's
-collectives time out (`timeout`), which is how a hung rank surfaces. A rank that dies is seen before
+On the control group the other ranks wait for rank 0 without a deadline (an engine may idle for hours);
+rank 0's sends there, and the compute group's collectives, time out (`timeout`): that is how a hung
+rank surfaces. A rank that dies is seen before
 the next step (spawned workers) or by the broken collective, and the engine then stops every rank.
 """
 
@@ -52,21 +53,27 @@ class StepChannel:
 
     CAPACITY = 32 * 1024
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, timeout: float):
+        self.group, self.timeout = group, timeout
         self.frame = torch.zeros(self.CAPACITY, dtype=torch.uint8)
 
-    def send(self, header: dict, data: np.ndarray | None = None) -> None:
+    def _broadcast(self, tensor: torch.Tensor, timeout: float | None) -> None:
+        """From rank 0, waiting at most `timeout` seconds for every rank to take it (a broadcast completes
+        when the others receive it: a rank that hangs would hold rank 0 forever on the control group)."""
+        work = dist.broadcast(tensor, src=0, group=self.group, async_op=True)
+        work.wait(timedelta(seconds=self.timeout if timeout is None else timeout))
+
+    def send(self, header: dict, data: np.ndarray | None = None, timeout: float | None = None) -> None:
         head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
         body = b"" if data is None else data.tobytes()
         message = _HEAD.pack(len(head), len(body)) + head + body
         view = self.frame.numpy()
         first = min(len(message), self.CAPACITY)
         view[:first] = np.frombuffer(message, dtype=np.uint8, count=first)
-        dist.broadcast(self.frame, src=0, group=self.group)
+        self._broadcast(self.frame, timeout)
         if len(message) > self.CAPACITY:
             rest = torch.from_numpy(np.frombuffer(message, dtype=np.uint8)[self.CAPACITY:].copy())
-            dist.broadcast(rest, src=0, group=self.group)
+            self._broadcast(rest, timeout)
 
     def receive(self) -> tuple[dict, np.ndarray]:
         dist.broadcast(self.frame, src=0, group=self.group)
@@ -117,7 +124,7 @@ class Ranks:
                         os.environ.__setitem__("GLOO_SOCKET_IFNAME", previous)
             self._owns_group = True
         self.compute_group = dist.group.WORLD.group_name
-        self.channel = StepChannel(dist.new_group(backend="gloo", timeout=_IDLE))
+        self.channel = StepChannel(dist.new_group(backend="gloo", timeout=_IDLE), self.timeout)
         return self
 
     def dead(self) -> str | None:
@@ -141,7 +148,7 @@ class Ranks:
         self.closed = True
         if graceful and self.channel is not None and self.dead() is None:
             try:
-                self.channel.send({"op": "close"})
+                self.channel.send({"op": "close"}, timeout=min(self.timeout, 10.0))
             except Exception:  # a broken group: the workers are stopped below
                 log.debug("close message not delivered", exc_info=True)
         deadline = time.monotonic() + (10.0 if graceful else 0.0)
