@@ -159,33 +159,30 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_speculative(args: argparse.Namespace) -> int:
+def _report(results: dict, table: str, path: str | None) -> int:
+    """Prints a benchmark's table and writes its results as JSON (when a path is given)."""
     import json
-    from pathlib import Path
 
+    print(table)
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+def _bench_speculative(args: argparse.Namespace) -> int:
     from .bench import run_spec_bench, spec_table
 
     results = run_spec_bench(args.configs, args.batches, args.copy_overlap, args.new_tokens, args.speculative,
                              args.num_speculative_tokens)
-    print(spec_table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return _report(results, spec_table(results), args.json)
 
 
 def _bench_parallel(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
-
     from .bench_parallel import parallel_table, run_parallel_bench
 
     results = run_parallel_bench(args.configs, args.batches, args.tensor_parallel_size, args.prompt_len, args.new_tokens)
-    print(parallel_table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return _report(results, parallel_table(results), args.json)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -220,16 +217,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    import json
-
     from .bench_serve import run_serve_bench, serve_table
 
     results = run_serve_bench(args.config, args.concurrency, args.requests, args.prompt_len, args.new_tokens)
-    print(serve_table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return _report(results, serve_table(results), args.json)
 
 
 def _dump_graphs(args: argparse.Namespace) -> int:
