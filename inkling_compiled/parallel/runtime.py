@@ -113,15 +113,16 @@ class Ranks:
     def connect(self, backend: str, **init) -> "Ranks":
         """Joins (or makes) the compute group and makes the control group beside it."""
         if not dist.is_initialized():
-            if self.procs:  # ranks of this machine talk over loopback, whatever the host name resolves to
-                previous = os.environ.get("GLOO_SOCKET_IFNAME")
-                os.environ["GLOO_SOCKET_IFNAME"] = _LOOPBACK
+            # Ranks spawned on this machine talk over loopback, whatever the host name resolves to; the
+            # caller's environment is left as it was.
+            previous = os.environ.get("GLOO_SOCKET_IFNAME")
+            if self.procs:
+                os.environ["GLOO_SOCKET_IFNAME"] = previous or _LOOPBACK
             try:
                 dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout), **init)
             finally:
-                if self.procs:
-                    os.environ.pop("GLOO_SOCKET_IFNAME") if previous is None else \
-                        os.environ.__setitem__("GLOO_SOCKET_IFNAME", previous)
+                if previous is None:
+                    os.environ.pop("GLOO_SOCKET_IFNAME", None)
             self._owns_group = True
         self.compute_group = dist.group.WORLD.group_name
         self.channel = StepChannel(dist.new_group(backend="gloo", timeout=_IDLE), self.timeout)
