@@ -54,11 +54,10 @@ class _PostGradRecorder:
 
 
 def pool_shapes(state_tensors: list[torch.Tensor]) -> set[tuple[int, ...]]:
-    """Shapes of every pool/cache tensor and of a per-layer slice of one, and the same flattened: what a
-    copy of them would have. Shapes, not bare element counts: an unrelated activation can match a count
-    by chance (a bucket-1 `[2, 1, 64]` against a 128-element ring slice, say)."""
-    slices = [t for t in state_tensors] + [t[0] for t in state_tensors if t.shape[0]]
-    return {tuple(t.shape) for t in slices} | {(t.numel(),) for t in slices}
+    """Shapes of every pool/cache tensor (one per layer), and the same flattened: what a copy of them
+    would have. Shapes, not bare element counts: an unrelated activation can match a count by chance (a
+    bucket-1 `[2, 1, 64]` against a 128-element ring, say)."""
+    return {tuple(t.shape) for t in state_tensors} | {(t.numel(),) for t in state_tensors}
 
 
 def _dims(text: str) -> tuple[int, ...] | None:
@@ -66,16 +65,30 @@ def _dims(text: str) -> tuple[int, ...] | None:
     return tuple(int(x) for x in parts) if all(x.isdigit() for x in parts) else None
 
 
+_POOL_SIZE = re.compile(r"s\d+")  # a backed symbol: how a pool's size (slots, cache rows) reads in a graph
+
+
+def _is_pool_shape(text: str, pool_shapes: set[tuple[int, ...]]) -> bool:
+    """Whether a shape written in graph code is a pool tensor's: equal, or the pool's dynamic leading
+    size as a symbol followed by its static dims. (A batch size is an unbacked `u` symbol: no match.)"""
+    if _dims(text) in pool_shapes:
+        return True
+    parts = [x for x in text.replace(" ", "").rstrip(",").split(",") if x]
+    if len(parts) < 2 or not _POOL_SIZE.fullmatch(parts[0]) or _dims(",".join(parts[1:])) is None:
+        return False
+    return any(len(shape) == len(parts) and shape[1:] == _dims(",".join(parts[1:])) for shape in pool_shapes)
+
+
 def pool_copies_in_code(code: str, pool_shapes: set[tuple[int, ...]]) -> list[str]:
     """Pool- or cache-shaped buffers allocated, and any clone/copy_, in inductor code's call()."""
     body = code[code.find("def call("):] if "def call(" in code else code
     found = [f"empty_strided(({dims}))" for dims in re.findall(r"empty_strided_\w+\(\((.*?)\)", body)
-             if _dims(dims) in pool_shapes]
+             if _is_pool_shape(dims, pool_shapes)]
     found += [m.group(0) for m in re.finditer(r"\.clone\(|aten\.copy_|\.copy_\(", body)]
     return found
 
 
-_ANNOTATED = re.compile(r'"\w+\[([\d, ]*)\]')
+_ANNOTATED = re.compile(r'"\w+\[([\w, ]*)\]')
 _FUNCTIONALIZED_BASE = re.compile(r"= auto_functionalized\w*\[([1-9]\d*)\]")
 
 
@@ -87,7 +100,7 @@ def pool_copies_in_graph(gm_text: str, pool_shapes: set[tuple[int, ...]]) -> lis
         if "aten.copy_" not in line and "aten.clone" not in line and not _FUNCTIONALIZED_BASE.search(line):
             continue
         m = _ANNOTATED.search(line)
-        if m and _dims(m.group(1)) in pool_shapes:
+        if m and _is_pool_shape(m.group(1), pool_shapes):
             found.append(line.strip()[:160])
     return found
 

@@ -368,11 +368,11 @@ class Engine:
 
         return {
             "weights": size(self.model.parameters()),
-            "slot conv windows": size(pool.conv.values()),
-            "slot sliding rings": size(pool.sliding_kv),
-            "KV pages": size(pool.global_kv),
+            "slot conv windows": size(t for layers in pool.conv.values() for t in layers),
+            "slot sliding rings": size(t for layers in pool.sliding_kv for t in layers),
+            "KV pages": size(t for layers in pool.global_kv for t in layers),
             "prefix checkpoints": size([*pool.conv_checkpoints.values(), *pool.ring_checkpoints]),
-            "draft windows": size(pool.intermediate_conv_window.values()),
+            "draft windows": size(pool.draft_windows()),
             "drafter state": size(self.drafter.state_tensors()) if self.drafter is not None else 0,
             "step metadata": sum(r.bytes.numel() for r in (buffers.decode_region, buffers.prefill_region,
                                                             buffers.verify_region) if r is not None),

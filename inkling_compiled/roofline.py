@@ -64,10 +64,9 @@ def step_cost(model, pool, batch: int, context: int) -> dict:
             weight_bytes += nbytes
             if p.dim() >= 2:
                 flops_per_token += 2 * p.numel()
-    per_row_state = sum(2 * t[0, 0].numel() * t.element_size() * t.shape[0] for t in pool.conv.values())  # r + w
-    kv_rows = sum(t.shape[0] * min(context, t.shape[1] // (pool.max_slots + 1)) * t[0, 0].numel() * t.element_size()
-                  for t in pool.sliding_kv)
-    kv_rows += sum(t.shape[0] * context * t[0, 0].numel() * t.element_size() for t in pool.global_kv)
+    per_row_state = sum(2 * t[0].numel() * t.element_size() for layers in pool.conv.values() for t in layers)  # r + w
+    kv_rows = sum(min(context, pool.ring_size) * t[0].numel() * t.element_size() for layers in pool.sliding_kv for t in layers)
+    kv_rows += sum(context * t[0].numel() * t.element_size() for layers in pool.global_kv for t in layers)
     return {"bytes": weight_bytes + batch * (per_row_state + kv_rows), "flops": batch * flops_per_token,
             "experts_reached": reached}
 

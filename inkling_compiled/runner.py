@@ -211,8 +211,9 @@ class EagerRunner:
         which the next prep may already have refilled."""
         pool = self.backend.pool
         with nvtx_range("commit conv windows"):
+            # The op takes stacked [L, ...] tensors per stream; the pool's are per layer, one L=1 view each.
             torch.ops.inkling.commit_conv_windows(
-                list(pool.conv.values()), list(pool.intermediate_conv_window.values()),
+                [t[None] for layers in pool.conv.values() for t in layers], [w[None] for w in pool.draft_windows()],
                 torch.tensor(slots, dtype=torch.int32).to(steps.device, non_blocking=True), steps[:len(slots)])
 
     def _verify_chunk(self, reqs, drafts) -> VerifyOutput:

@@ -150,10 +150,32 @@ def test_inductor_code_has_no_pool_sized_copies(checkpoint):
     ring = engine.pool.sliding_kv[0][0]  # one layer's ring: [(slots+1)*W, nkv, hd]
     dims = ", ".join(map(str, ring.shape))
     assert pool_copies_in_code(f"buf = empty_strided_cpu(({dims}), (8, 8, 1))", big)  # the scan can fire
+    trailing = ", ".join(map(str, ring.shape[1:]))  # and on the pool's symbolic size, not on a batch's
+    assert pool_copies_in_code(f"buf = empty_strided_cpu((s7, {trailing}), (8, 8, 1))", big)
+    assert not pool_copies_in_code(f"buf = empty_strided_cpu((u0, {trailing}), (8, 8, 1))", big)
     for code in codes:
         body = code[code.index("def call("):]
         assert pool_copies_in_code(body, big) == []
         assert body.count("torch.ops.inkling.sconv_decode.default(") == 4 * engine.config.num_hidden_layers
+
+
+def test_pool_sizes_are_not_baked_into_the_graph(checkpoint):
+    """Another max_batch_size, num_pages or max_model_len reuses the compiled graph from inductor's cache,
+    compiling nothing anew, and every layer still reads and writes its own state: tokens and logprobs equal
+    the eager engine's with the same sizes (a graph that slices layers out of a stacked pool tensor with
+    symbolic sizes gets this wrong from the second step on)."""
+    prompts = [random_prompt(n, seed=n) for n in (3, 9, 15, 20)]
+    compiled_engine(checkpoint, "tiny", max_batch_size=4, num_pages=40, max_model_len=64)
+    for sizes in (dict(max_batch_size=8, num_pages=90, max_model_len=256), dict(max_batch_size=3, num_pages=24)):
+        before = dict(torch._dynamo.utils.counters["inductor"])
+        compiled = compiled_engine(checkpoint, "tiny", **sizes)
+        after = torch._dynamo.utils.counters["inductor"]
+        assert after["fxgraph_cache_miss"] == before.get("fxgraph_cache_miss", 0), sizes
+        assert after["fxgraph_cache_hit"] == before.get("fxgraph_cache_hit", 0) + 1, sizes
+        eager = Engine.from_pretrained(checkpoint("tiny"), compile=False, **sizes)
+        for want, got in zip(eager.generate(prompts, GREEDY), compiled.generate(prompts, GREEDY)):
+            assert got.token_ids == want.token_ids
+            assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-4
 
 
 @pytest.mark.parametrize("name", PARITY_CONFIGS)
@@ -212,7 +234,10 @@ def test_graph_inputs_keep_their_addresses_across_steps(checkpoint):
     by_bucket: dict[tuple, list] = {}
     for call, size in zip(calls, sizes):
         by_bucket.setdefault(size, []).append(call)
-    assert sorted(by_bucket) == [(1,), (4,)]
+    # The graph's size inputs: the batch (1 or 4) and the pool's sizes (fixed for the engine's life).
+    varying = [values for values in zip(*by_bucket) if len(set(values)) > 1]
+    assert len(by_bucket) == 2 and [set(values) for values in varying] == [{1, 4}]
+    assert {(engine.pool.max_slots + 1)} <= {v for size in by_bucket for v in size}
     for replays in by_bucket.values():
         assert len(replays) >= 2  # warm-up and replays
         assert all(c == replays[0] for c in replays), "a graph input moved between replays of its bucket"
@@ -249,14 +274,20 @@ def test_every_graph_input_is_a_static_tensor_or_the_batch_size(graphs, checkpoi
         inputs.append(list(example_inputs))
         return gm.forward
 
-    compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(2, 4), compile_backend=record,
-                    graph_per_bucket=graphs == "per-bucket")
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(2, 4), compile_backend=record,
+                             graph_per_bucket=graphs == "per-bucket")
     assert len(inputs) == (2 if graphs == "per-bucket" else 1)
+    pool = engine.pool
+    pool_sizes = {t.shape[0] for t in pool.static_tensors()} | set(pool.block_table.shape)
     for example in inputs:
         tensors = [x for x in example if isinstance(x, torch.Tensor)]
         others = [x for x in example if not isinstance(x, torch.Tensor)]
         assert len(tensors) > 100 and [x for x in tensors if _static_kind(x) is None] == []
-        assert [type(x) for x in others] == ([] if graphs == "per-bucket" else [torch.SymInt])
+        # the other inputs are symbols: the pool's sizes, and the batch's unless each bucket has a graph
+        assert {type(x) for x in others} == {torch.SymInt}
+        sizes = [x.node.hint if x.node.hint is not None else x.node.expr for x in others]
+        batch = [s for s in sizes if s not in pool_sizes]
+        assert len(batch) == (0 if graphs == "per-bucket" else 1), sizes
 
 
 class OutputReusingBackend:

@@ -52,13 +52,19 @@ def test_backend_slices_are_the_pool_tensors_themselves(checkpoint):
 
 def test_streams_are_allocated_only_for_the_layers_that_use_them():
     config, pool = tiny_pool("tiny-k3")  # layer types: global, sliding, sliding
-    assert pool.conv["k_global"].shape == (1, 5, 2, 2 * 8)
-    assert pool.conv["k_sliding"].shape == (2, 5, 2, 3 * 16)
-    assert pool.conv["attn"].shape == (3, 5, 2, 48)
-    assert pool.global_kv[0].shape == (1, 9 * 4, 2, 8)
+    def shapes(layers):
+        return [tuple(t.shape) for t in layers]
+
+    assert shapes(pool.conv["k_global"]) == [(5, 2, 2 * 8)]
+    assert shapes(pool.conv["k_sliding"]) == [(5, 2, 3 * 16)] * 2
+    assert shapes(pool.conv["attn"]) == [(5, 2, 48)] * 3
+    assert shapes(pool.global_kv[0]) == [(9 * 4, 2, 8)]
     # (slots + dummy) * ring, the ring one entry longer than the window of 5: a 2-token verify step
-    assert pool.ring_size == 6 and pool.sliding_kv[0].shape == (2, 5 * 6, 3, 16)
-    assert pool.intermediate_conv_window["mlp"].shape == (3, 5, 2, 2, 48)
+    assert pool.ring_size == 6 and shapes(pool.sliding_kv[0]) == [(5 * 6, 3, 16)] * 2
+    assert shapes(pool.intermediate_conv_window["mlp"]) == [(5, 2, 2, 48)] * 3
+    # one allocation per layer: no state tensor is a view of another
+    storages = [t.untyped_storage().data_ptr() for t in pool.static_tensors()]
+    assert len(set(storages)) == len(storages)
 
 
 def test_slot_and_page_zero_are_never_handed_out():
@@ -72,14 +78,16 @@ def test_slot_and_page_zero_are_never_handed_out():
 def test_allocation_clears_the_slot_and_fills_the_block_table():
     config, pool = tiny_pool()
     W = pool.ring_size
-    for t in list(pool.conv.values()) + pool.sliding_kv:
+    convs = [t for layers in pool.conv.values() for t in layers]
+    rings = [t for layers in pool.sliding_kv for t in layers]
+    for t in convs + rings:
         t.fill_(7.0)
     slot = pool.allocate("a", 9)  # 3 pages of 4
-    assert all(t[:, slot].abs().sum() == 0 for t in pool.conv.values())
-    assert all(t[:, 2].eq(7.0).all() for t in pool.conv.values())  # other slots untouched
+    assert all(t[slot].abs().sum() == 0 for t in convs)
+    assert all(t[2].eq(7.0).all() for t in convs)  # other slots untouched
     # the slot's sliding-window rings too: nothing of the slot's last request may be read
-    assert all(t[:, slot * W:(slot + 1) * W].abs().sum() == 0 for t in pool.sliding_kv)
-    assert all(t[:, :slot * W].eq(7.0).all() and t[:, (slot + 1) * W:].eq(7.0).all() for t in pool.sliding_kv)
+    assert all(t[slot * W:(slot + 1) * W].abs().sum() == 0 for t in rings)
+    assert all(t[:slot * W].eq(7.0).all() and t[(slot + 1) * W:].eq(7.0).all() for t in rings)
     assert pool.block_table[slot, :3].tolist() == pool.pages_of["a"] and pool.block_table[slot, 3] == 0
     pool.free("a")
     assert pool.block_table[slot].abs().sum() == 0

@@ -286,12 +286,12 @@ def test_a_host_load_that_lands_late_is_never_read_early(checkpoint, hf_greedy, 
         if layer == 0:  # poison every destination first: a read before its layer lands sees NaN
             pool, ps, W = self.pool, self.pool.page_size, self.pool.config.sliding_window_size
             for _, page in self.pages:
-                for t in pool.global_kv:
-                    t[:, page * ps:(page + 1) * ps] = float("nan")
-            for t in pool.conv.values():
-                t[:, self.slot] = float("nan")
-            for t in pool.sliding_kv:
-                t[:, self.slot * W:(self.slot + 1) * W] = float("nan")
+                for t in (t for layers in pool.global_kv for t in layers):
+                    t[page * ps:(page + 1) * ps] = float("nan")
+            for t in (t for layers in pool.conv.values() for t in layers):
+                t[self.slot] = float("nan")
+            for t in (t for layers in pool.sliding_kv for t in layers):
+                t[self.slot * W:(self.slot + 1) * W] = float("nan")
         time.sleep(0.01)
         copy_layer(self, layer)
 

@@ -66,12 +66,12 @@ def test_a_poisoned_request_leaves_the_others_and_its_slots_successor_alone(comp
 def poison_dummies(pool):
     """NaN into everything padded rows may touch: slot 0's conv windows and ring rows, page 0."""
     W = pool.config.sliding_window_size
-    for t in pool.conv.values():
-        t[:, 0] = float("nan")
-    for t in pool.global_kv:
-        t[:, :pool.page_size] = float("nan")
-    for t in pool.sliding_kv:
-        t[:, :W] = float("nan")
+    for t in (t for layers in pool.conv.values() for t in layers):
+        t[0] = float("nan")
+    for t in (t for layers in pool.global_kv for t in layers):
+        t[:pool.page_size] = float("nan")
+    for t in (t for layers in pool.sliding_kv for t in layers):
+        t[:W] = float("nan")
 
 
 def test_padded_rows_and_the_dummy_slot_and_page_never_reach_a_live_row(checkpoint):

@@ -385,13 +385,13 @@ def test_commit_takes_slots_from_the_verify_batch_not_the_step_buffers(checkpoin
     with torch.inference_mode():
         from inkling_compiled.runner import verify_step
         out = verify_step(engine.model, engine.backend)
-    before = {name: t.clone() for name, t in pool.conv.items()}
+    before = {name: torch.stack(layers) for name, layers in pool.conv.items()}  # [L, slots, K-1, D] copies
     engine.backend.prepare_decode([r.output[-1] for r in others], [pool.slot_of[r.request_id] for r in others],
                                   [r.cached_len for r in others], [r.sampling_row() for r in others])
     steps = torch.tensor([2, 0])
     runner.commit(slots, steps)
-    for name, t in pool.conv.items():
-        windows = pool.intermediate_conv_window[name]
+    for name, layers in pool.conv.items():
+        t, windows = torch.stack(layers), torch.stack(pool.intermediate_conv_window[name])
         for row, slot in enumerate(slots):
             assert torch.equal(t[:, slot], windows[:, row, steps[row]])
         for req in others:
@@ -414,7 +414,7 @@ def test_every_layer_and_stream_commits(checkpoint):
     for _ in range(4):
         plain.step()
         slots = {prompts.index(r.prompt): plain.pool.slot_of[r.request_id] for r in plain.running}
-        snapshots.append({i: {name: t[:, slot].clone() for name, t in plain.pool.conv.items()}
+        snapshots.append({i: {name: torch.stack([t[slot] for t in layers]) for name, layers in plain.pool.conv.items()}
                           for i, slot in slots.items()})
     drafter = ScriptedDrafter({tuple(p): o.token_ids for p, o in zip(prompts, want)}, miss=lambda row, step: row)
     spec = engine_for(checkpoint, max_batch_size=3, max_model_len=64, speculative=drafter, num_speculative_tokens=2)
@@ -429,7 +429,7 @@ def test_every_layer_and_stream_commits(checkpoint):
         for layer in range(spec.config.num_hidden_layers):
             for stream in MODEL_STREAMS:
                 name, index = spec.pool.layer_index(layer, stream)
-                got, expected = spec.pool.conv[name][index, slot], snapshots[row + 1][i][name][index]
+                got, expected = spec.pool.conv[name][index][slot], snapshots[row + 1][i][name][index]
                 assert torch.allclose(got, expected, atol=1e-5), (layer, stream, row)
 
 

@@ -44,7 +44,7 @@ def host_nbytes(pool: StatePool, page: int | None, checkpoint: int | None) -> in
     ps, R = pool.page_size, pool.ring_size
     size = 0
     if page is not None:
-        size += sum(t[:, :ps].numel() * t.element_size() for t in pool.global_kv)
+        size += sum(t[:ps].numel() * t.element_size() for layers in pool.global_kv for t in layers)
     if checkpoint is not None:
         size += sum(t[:, 0].numel() * t.element_size() for t in pool.conv_checkpoints.values())
         size += sum(t[:, :R].numel() * t.element_size() for t in pool.ring_checkpoints)
@@ -53,7 +53,8 @@ def host_nbytes(pool: StatePool, page: int | None, checkpoint: int | None) -> in
 
 def copy_to_host(pool: StatePool, page: int | None, checkpoint: int | None) -> HostCopy:
     ps, R = pool.page_size, pool.ring_size
-    kv = [_host(t[:, page * ps:(page + 1) * ps]) for t in pool.global_kv] if page is not None else None
+    kv = ([_host(torch.stack([t[page * ps:(page + 1) * ps] for t in layers])) for layers in pool.global_kv]
+          if page is not None else None)
     if checkpoint is None:
         return HostCopy(kv, None, None)
     conv = {name: _host(t[:, checkpoint]) for name, t in pool.conv_checkpoints.items()}
@@ -104,18 +105,18 @@ class HostLoad:
         if not sliding:
             for host, page in self.pages:
                 for device, saved in zip(pool.global_kv, host.kv):
-                    device[index, page * ps:(page + 1) * ps].copy_(saved[index], non_blocking=True)
+                    device[index][page * ps:(page + 1) * ps].copy_(saved[index], non_blocking=True)
         if self.checkpoint is None:
             return
         host, checkpoint = self.checkpoint
         for stream in MODEL_STREAMS:
             name, i = pool.streams.locate(layer, stream)
             pool.conv_checkpoints[name][i, checkpoint].copy_(host.conv[name][i])
-            pool.conv[name][i, self.slot].copy_(host.conv[name][i])
+            pool.conv[name][i][self.slot].copy_(host.conv[name][i])
         if sliding:
             for ring, saved_ring, saved in zip(pool.sliding_kv, pool.ring_checkpoints, host.rings):
                 saved_ring[index, checkpoint * R:(checkpoint + 1) * R].copy_(saved[index])
-                ring[index, self.slot * R:(self.slot + 1) * R].copy_(saved[index])
+                ring[index][self.slot * R:(self.slot + 1) * R].copy_(saved[index])
 
     def wait_until(self, layer_id: int) -> None:
         self.done[layer_id].wait()

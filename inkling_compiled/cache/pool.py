@@ -1,10 +1,18 @@
 """The state pool: tensors allocated once, never moved, and the maps that say who owns what.
 
-Conv state, per pool stream, is `[L_s, S+1, K-1, D_s]` fp32 (the stream's layers only: k/v widths
-differ between sliding and global layers, so each has its own stream). Keys and values of global
-layers live in pages (`[L_g, pages*page_size, nkv, hd]`, page 0 the dummy) addressed through a
-per-slot block table; sliding layers keep a ring of their recent keys per slot
-(`[L_s, (S+1)*R, nkv, hd]`, R = `ring_size`: the window W, plus K with K-token speculative verification). Slot 0 and page 0 are never handed to a request.
+Every state tensor a step reads belongs to one layer: conv state, per pool stream, is a list with one
+`[S+1, K-1, D_s]` fp32 tensor per layer of the stream (k/v widths differ between sliding and global
+layers, so each has its own stream). Keys and values of global layers live in pages (`[k, v]`, each a
+list of `[pages*page_size, nkv, hd]` per layer, page 0 the dummy) addressed through a per-slot block
+table; sliding layers keep a ring of their recent keys per slot (`[(S+1)*R, nkv, hd]` per layer, R =
+`ring_size`: the window W, plus K with K-token speculative verification). Slot 0 and page 0 are never
+handed to a request.
+
+One allocation per layer, not a stacked `[L, ...]` tensor, so that a compiled step never slices a layer
+out of a pool tensor: the sizes set by `max_batch_size`, `num_pages` and `max_model_len` stay symbolic in
+the graph (`mark_sizes_dynamic`), so one compiled graph, and inductor's cache of it, serves every pool
+size. (A layer slice of a stacked tensor has a storage offset that grows with those sizes, and inductor
+2.13 drops a symbolic storage offset of a graph-internal view: every layer would read layer 0's state.)
 
 The pool only stores: it hands out slots and pages, clears a slot's conv state on allocation and
 answers `layer_index`; everything per step lives in the step backend. Which layers each conv stream
@@ -35,37 +43,41 @@ class StatePool:
         K, S = config.conv_kernel_size, max_slots
         self.streams = streams = StreamTable(config)
         self.sliding_layers, self.global_layers = streams.sliding_layers, streams.global_layers
-        self.conv = {name: torch.zeros(len(layers), S + 1, K - 1, streams.widths[name], dtype=torch.float32,
-                                       device=device)
+        def per_layer(count: int, *shape: int, dtype=torch.float32) -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+
+        self.conv = {name: per_layer(len(layers), S + 1, K - 1, streams.widths[name])
                      for name, layers in streams.layers.items()}
         # Speculative verification keeps the window after each draft token per batch row, not per slot.
         self.intermediate_conv_window = {
-            s: torch.zeros(t.shape[0], S + 1, spec_draft_tokens, K - 1, t.shape[-1], dtype=torch.float32, device=device)
-            for s, t in self.conv.items()}
+            name: per_layer(len(layers), S + 1, spec_draft_tokens, K - 1, streams.widths[name])
+            for name, layers in streams.layers.items()}
 
         # A verify step writes K+1 keys before it reads: the ring keeps K more than the window.
         self.ring_size = R = config.sliding_window_size + max(spec_draft_tokens - 1, 0)
         g_kv = (config.num_key_value_heads, config.head_dim)
         s_kv = (config.swa_num_key_value_heads, config.swa_head_dim)
-        self.global_kv = [torch.zeros(len(self.global_layers), num_pages * page_size, *g_kv, dtype=dtype, device=device)
+        self.global_kv = [per_layer(len(self.global_layers), num_pages * page_size, *g_kv, dtype=dtype)
                           for _ in range(2)] if self.global_layers else []
-        self.sliding_kv = [torch.zeros(len(self.sliding_layers), (S + 1) * R, *s_kv, dtype=dtype, device=device)
+        self.sliding_kv = [per_layer(len(self.sliding_layers), (S + 1) * R, *s_kv, dtype=dtype)
                            for _ in range(2)] if self.sliding_layers else []
         # Prefix-cache checkpoints: a slot's whole per-request state at a page boundary (every conv
         # window, every sliding ring), kept so that a request starting with that prefix resumes from it.
         # Index 0 is unused (the allocator hands out 1..checkpoints).
         C = checkpoints
         rows = C + 1 if C else 0
-        self.conv_checkpoints = {name: torch.zeros(t.shape[0], rows, *t.shape[2:], dtype=t.dtype, device=device)
-                                 for name, t in self.conv.items()}
-        self.ring_checkpoints = [torch.zeros(t.shape[0], rows * R, *t.shape[2:], dtype=t.dtype, device=device)
-                                 for t in self.sliding_kv]
+        # Stacked `[L, ...]`: only eager code (prefill, the host tier) reads them.
+        self.conv_checkpoints = {name: torch.zeros(len(ts), rows, *ts[0].shape[1:], dtype=torch.float32, device=device)
+                                 for name, ts in self.conv.items()}
+        self.ring_checkpoints = [torch.zeros(len(ts), rows * R, *ts[0].shape[1:], dtype=dtype, device=device)
+                                 for ts in self.sliding_kv]
         self.block_table = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32, device=device)
         self.block_table_host = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32)  # mirror for prep
 
         # Static for Dynamo and CUDA graphs: a compiled step reads and writes them in place, at every replay.
         for t in self.static_tensors():
             mark_static(t)
+        self.mark_sizes_dynamic()
 
         self.slots = IndexAllocator(S, "slot")
         self.pages = IndexAllocator(num_pages - 1, "page")
@@ -82,6 +94,16 @@ class StatePool:
         self.journal: list[tuple[str, tuple]] | None = None
 
     EFFECTS = ("reset_slot", "clear_block_row", "restore_checkpoint")
+
+    def mark_sizes_dynamic(self) -> None:
+        """The pool's sizes (slots, cache rows, block-table width) become symbols in a compiled step, so
+        that its graph, and inductor's cache of it, fits any `max_batch_size`, `num_pages` and
+        `max_model_len`. Per-layer widths, the window and the ring's length per slot stay static.
+        `maybe_`: a size of 1 (a one-page block table) is specialised rather than refused."""
+        for t in [*self.state_tensors(), *self.draft_windows()]:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for dim in (0, 1):
+            torch._dynamo.maybe_mark_dynamic(self.block_table, dim)
 
     # ---- ownership ------------------------------------------------------------------------------
 
@@ -130,11 +152,13 @@ class StatePool:
         row.zero_()
         row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
         self.block_table[slot].copy_(row)
-        for t in self.conv.values():
-            t[:, slot].zero_()
+        for layers in self.conv.values():
+            for t in layers:
+                t[slot].zero_()
         R = self.ring_size
-        for t in self.sliding_kv:
-            t[:, slot * R:(slot + 1) * R].zero_()
+        for layers in self.sliding_kv:
+            for t in layers:
+                t[slot * R:(slot + 1) * R].zero_()
 
     def clear_block_row(self, slot: int) -> None:
         self._record("clear_block_row", slot)
@@ -156,11 +180,13 @@ class StatePool:
         """The slot's conv windows and sliding rings become the checkpoint's (a copy: the slot's state is
         its own to change, the checkpoint stays for the next hit)."""
         self._record("restore_checkpoint", slot, checkpoint)
-        for name, t in self.conv.items():
-            t[:, slot] = self.conv_checkpoints[name][:, checkpoint]
+        for name, layers in self.conv.items():
+            for i, t in enumerate(layers):
+                t[slot] = self.conv_checkpoints[name][i, checkpoint]
         R = self.ring_size
-        for ring, saved in zip(self.sliding_kv, self.ring_checkpoints):
-            ring[:, slot * R:(slot + 1) * R] = saved[:, checkpoint * R:(checkpoint + 1) * R]
+        for rings, saved in zip(self.sliding_kv, self.ring_checkpoints):
+            for i, ring in enumerate(rings):
+                ring[slot * R:(slot + 1) * R] = saved[i, checkpoint * R:(checkpoint + 1) * R]
 
     # ---- layer lookup ---------------------------------------------------------------------------
 
@@ -194,15 +220,20 @@ class StatePool:
         return convs + [t[index] for t in (self.sliding_kv if sliding else self.global_kv)]
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The tensors decode steps write: every conv stream and K/V cache (what a copy must never touch)."""
-        return [*self.conv.values(), *self.global_kv, *self.sliding_kv]
+        """The tensors decode steps write, one per layer: every conv stream's and every K/V cache's
+        (what a copy must never touch)."""
+        return [t for layers in (*self.conv.values(), *self.global_kv, *self.sliding_kv) for t in layers]
+
+    def draft_windows(self) -> list[torch.Tensor]:
+        """Every (stream, layer)'s per-draft-token windows of speculative verification, one per layer."""
+        return [t for layers in self.intermediate_conv_window.values() for t in layers]
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step may read or write: the state tensors, the draft windows, the block table."""
-        return [*self.state_tensors(), *self.intermediate_conv_window.values(), self.block_table]
+        return [*self.state_tensors(), *self.draft_windows(), self.block_table]
 
-    def kv_index(self, layer_id: int) -> tuple[list[torch.Tensor], int]:
-        """Waits like `layer_index`; (the [k, v] tensors of the layer's kind, the layer's index in them)."""
+    def kv_index(self, layer_id: int) -> tuple[list[list[torch.Tensor]], int]:
+        """Waits like `layer_index`; ([k, v] per-layer lists of the layer's kind, the layer's index in them)."""
         self._wait_for(layer_id)
         sliding, index = self.streams.kv_locate(layer_id)
         return (self.sliding_kv if sliding else self.global_kv), index
