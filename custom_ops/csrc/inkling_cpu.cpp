@@ -459,7 +459,9 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k_ring, const a
 // Decode multiplies a few to a few dozen rows by each weight: the weight should stream from memory
 // once, at bandwidth, while every loaded weight vector is used for several rows. MKL's small-M GEMMs
 // do neither well here (the README's roofline table measures it). Rows go in blocks of up to 4 that
-// share each weight load; the accumulators of a block stay in registers.
+// share each weight load, the accumulators of a block in registers; blocks of outputs (W's layout) or
+// slices of inputs (W^T's) are outermost, so that however many rows there are, W is read from memory
+// once and every further row block finds its part in cache.
 //
 // Built once per instruction set (AVX-512, AVX2 + FMA, portable) and picked once, at load, for the
 // CPU it runs on (INKLING_CPU_ISA=avx512|avx2|portable forces one); multiply-adds may fuse here,
@@ -477,12 +479,18 @@ INKLING_INLINE vec16 load16(const float* p) {
 }
 INKLING_INLINE void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
 
+// How far ahead (floats) the kernels ask for weights: memory latency here is long enough that the
+// hardware prefetcher alone leaves a single thread well short of the bandwidth.
+constexpr int64_t kPrefetch = 256;
+
 // W rows contiguous ([O, H] row-major): R rows x C outputs of dot products, 16-wide partial sums.
 template <int R, int C>
 INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t w_o, int64_t O, float* y) {
   vec16 acc[R][C] = {};
   int64_t h = 0;
   for (; h + 16 <= H; h += 16) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * w_o + h + kPrefetch);
     vec16 xv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) xv[r] = load16(x + r * H + h);
@@ -522,6 +530,32 @@ INKLING_INLINE void axpy_block(const float* x, int64_t H, const float* w, int64_
     for (int v = 0; v < V; ++v) store16(y + r * O + 16 * v, acc[r][v]);
 }
 
+constexpr int64_t kSlice = 64;  // rows of W^T per slice (sliced_matmul below)
+
+// The same over h in [h0, h1), adding to the partial sums already in y unless `first`.
+template <int R, int V>
+INKLING_INLINE void axpy_block_part(const float* x, int64_t H, int64_t h0, int64_t h1, const float* w, int64_t w_h,
+                                    int64_t O, float* y, bool first) {
+  vec16 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = first ? vec16{} : load16(y + r * O + 16 * v);
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* wh = w + h * w_h;
+    __builtin_prefetch(wh + kSlice * w_h);  // the same columns one slice on
+    vec16 wv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) wv[v] = load16(wh + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * H + h];
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] += xs * wv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) store16(y + r * O + 16 * v, acc[r][v]);
+}
+
 // The columns past the last full 16 (W^T layout): plain loops.
 INKLING_INLINE void axpy_tail(const float* x, int R, int64_t H, const float* w, int64_t w_h, int64_t O, int64_t width,
                               float* y) {
@@ -533,30 +567,73 @@ INKLING_INLINE void axpy_tail(const float* x, int R, int64_t H, const float* w, 
     }
 }
 
+// One panel of outputs [o, o + width) for R rows: `width` is the panel's (4 in W's layout, 32 in W^T's)
+// or the last panel's remainder.
 template <int R>
-INKLING_INLINE void matmul_row_block(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
-                                     float* y) {
+INKLING_INLINE void matmul_panel(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
+                                 int64_t o, int64_t width, float* y) {
   if (w_h == 1) {
-    int64_t o = 0;
-    for (; o + 4 <= O; o += 4) dot_block<R, 4>(x, H, w + o * w_o, w_o, O, y + o);
-    for (; o < O; ++o) dot_block<R, 1>(x, H, w + o * w_o, w_o, O, y + o);
+    if (width == 4) {
+      dot_block<R, 4>(x, H, w + o * w_o, w_o, O, y + o);
+    } else {
+      for (int64_t c = o; c < o + width; ++c) dot_block<R, 1>(x, H, w + c * w_o, w_o, O, y + c);
+    }
     return;
   }
-  int64_t o = 0;
-  for (; o + 32 <= O; o += 32) axpy_block<R, 2>(x, H, w + o, w_h, O, y + o);
-  for (; o + 16 <= O; o += 16) axpy_block<R, 1>(x, H, w + o, w_h, O, y + o);
-  if (o < O) axpy_tail(x, R, H, w + o, w_h, O, O - o, y + o);
+  int64_t c = o;
+  if (width == 32) {
+    axpy_block<R, 2>(x, H, w + c, w_h, O, y + c);
+    return;
+  }
+  for (; c + 16 <= o + width; c += 16) axpy_block<R, 1>(x, H, w + c, w_h, O, y + c);
+  if (c < o + width) axpy_tail(x, R, H, w + c, w_h, O, o + width - c, y + c);
 }
 
+// W^T layout, more rows than one block: h in slices of kSlice, so that each slice of W^T (one contiguous
+// run of kSlice * O floats, read from memory once, at stream speed) serves every row block from cache;
+// the partial sums wait in y between slices.
+template <int R>
+INKLING_INLINE void sliced_rows(const float* x, int64_t H, int64_t h0, int64_t h1, const float* w, int64_t w_h,
+                                int64_t O, int64_t full, float* y) {
+  int64_t o = 0;
+  for (; o + 32 <= full; o += 32) axpy_block_part<R, 2>(x, H, h0, h1, w + o, w_h, O, y + o, h0 == 0);
+  for (; o < full; o += 16) axpy_block_part<R, 1>(x, H, h0, h1, w + o, w_h, O, y + o, h0 == 0);
+}
+
+INKLING_INLINE void sliced_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_h,
+                                  float* y) {
+  const int64_t full = O / 16 * 16;
+  for (int64_t h0 = 0; h0 < H; h0 += kSlice) {
+    const int64_t h1 = std::min(H, h0 + kSlice);
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) sliced_rows<4>(x + r * H, H, h0, h1, w, w_h, O, full, y + r * O);
+    switch (n - r) {
+      case 3: sliced_rows<3>(x + r * H, H, h0, h1, w, w_h, O, full, y + r * O); break;
+      case 2: sliced_rows<2>(x + r * H, H, h0, h1, w, w_h, O, full, y + r * O); break;
+      case 1: sliced_rows<1>(x + r * H, H, h0, h1, w, w_h, O, full, y + r * O); break;
+      default: break;
+    }
+  }
+  if (full < O)
+    for (int64_t r = 0; r < n; ++r) axpy_tail(x + r * H, 1, H, w + full, w_h, O, O - full, y + r * O + full);
+}
+
+// Output panels outermost: a panel of W (4 rows of it, or 32 columns) comes from memory once and
+// serves every block of rows from cache, so n rows cost one pass over W, not one per block of 4.
 INKLING_INLINE void rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
                                 int64_t w_h, float* y) {
-  int64_t r = 0;
-  for (; r + 4 <= n; r += 4) matmul_row_block<4>(x + r * H, H, w, O, w_o, w_h, y + r * O);
-  switch (n - r) {
-    case 3: matmul_row_block<3>(x + r * H, H, w, O, w_o, w_h, y + r * O); break;
-    case 2: matmul_row_block<2>(x + r * H, H, w, O, w_o, w_h, y + r * O); break;
-    case 1: matmul_row_block<1>(x + r * H, H, w, O, w_o, w_h, y + r * O); break;
-    default: break;
+  if (w_h != 1) return sliced_matmul(x, n, H, w, O, w_h, y);
+  const int64_t panel = w_h == 1 ? 4 : 32;
+  for (int64_t o = 0; o < O; o += panel) {
+    const int64_t width = std::min(panel, O - o);
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) matmul_panel<4>(x + r * H, H, w, O, w_o, w_h, o, width, y + r * O);
+    switch (n - r) {
+      case 3: matmul_panel<3>(x + r * H, H, w, O, w_o, w_h, o, width, y + r * O); break;
+      case 2: matmul_panel<2>(x + r * H, H, w, O, w_o, w_h, o, width, y + r * O); break;
+      case 1: matmul_panel<1>(x + r * H, H, w, O, w_o, w_h, o, width, y + r * O); break;
+      default: break;
+    }
   }
 }
 
@@ -665,11 +742,11 @@ float fp32_dot(const float* a, const float* b, int64_t n) { return matmul_choice
 void fp32_axpy(float s, const float* x, float* y, int64_t n) { matmul_choice().axpy(s, x, y, n); }
 
 // Up to how many rows a projection or an expert takes the kernel above; past it MKL's GEMM wins on
-// the machines measured (tools/bench_matmul.py, which raises it through INKLING_FEW_ROWS to compare).
+// the machines measured (tools/bench_matmul.py; INKLING_FEW_ROWS changes it, to compare).
 int64_t few_rows() {
   static const int64_t limit = [] {
     const char* set = std::getenv("INKLING_FEW_ROWS");
-    return set ? std::max<int64_t>(0, std::atoll(set)) : int64_t{4};
+    return set ? std::max<int64_t>(0, std::atoll(set)) : int64_t{16};
   }();
   return limit;
 }
