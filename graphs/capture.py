@@ -16,6 +16,7 @@ batch of a given size, which is what warm-up runs.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,12 +30,18 @@ from inkling_compiled.checks import is_int
 from inkling_compiled.errors import CompileError, OptionError
 from inkling_compiled.paths import default_cache_dir
 
+from . import package
+
+log = logging.getLogger("inkling_compiled")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 # Dynamo's stance and its compile counter are process-wide: one decoder at a time compiles, or replays
 # under the fail-on-recompile stance (a stance set by one thread would refuse another's first compile).
 _DYNAMO_STATE = threading.RLock()
 BACKENDS = ("inductor", "eager", "aot_eager", "tensorrt")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# The source a step's guards name to tell two decoders' steps apart in Dynamo's shared cache (see
+# runner.DecodeStep); only Dynamo's cache needs it.
+INSTANCE_SOURCE = "self.instance"
 RECORDING_CALLS = 2  # calls after a bucket's first that CUDA graph trees take to record its graph
 _PLANNED_GRAPHS = 0  # graphs every decoder made in this process may compile (one per bucket at most)
 
@@ -95,7 +102,7 @@ class CompiledDecoder:
                  buckets: tuple[int, ...], compile_backend="inductor", mode: str | None = None,
                  cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None,
                  graph_per_bucket: bool = False, specialize_batch_one: bool = False,
-                 guarded_sources: tuple[str, ...] | None = None):
+                 guarded_sources: tuple[str, ...] | None = None, package_key: tuple | None = None):
         self.step, self.prepare_padding = step, prepare_padding
         self.buckets = buckets
         # The batch sizes the symbolic graph serves: all of them, or all but 1 when bucket 1 gets its
@@ -126,21 +133,30 @@ class CompiledDecoder:
         if cpp_wrapper is None:
             cpp_wrapper = compile_backend == "inductor" and device.type == "cpu" and mode is None
         self.cpp_wrapper = bool(cpp_wrapper)
-        options: dict = {"cpp_wrapper": True} if self.cpp_wrapper else {}
-        if guarded_sources is not None:
-            options["guard_filter_fn"] = guard_filter(guarded_sources)
-        kwargs = {"fullgraph": True, "dynamic": False, "backend": self.compiler}
+        # The one symbolic graph of an inductor step on CPU may be saved whole and loaded by a later process
+        # (graphs/package.py): `package_key` is the caller's part of the file's key, None to never do it.
+        # A packaged step runs outside Dynamo's cache, so nothing needs telling it from another
+        # decoder's: its guards leave out the step's instance number, and so does its key.
+        eligible = (package_key is not None and compile_backend == "inductor" and mode is None
+                    and device.type == "cpu" and self.symbolic_batch is not None and self.symbolic_batch.start == 1
+                    and package.supported())
+        self.package_path = package.package_path(self.cache_dir, package_key, self.cpp_wrapper) if eligible else None
+        self.packaged = False  # whether the step runs as a package (loaded, or compiled and saved here)
+        self._requested_sources = guarded_sources
+        self.guarded_sources = guarded_sources  # what the compiled step's guards keep (None: all)
+        if eligible and guarded_sources is not None:
+            self.guarded_sources = tuple(s for s in guarded_sources if s != INSTANCE_SOURCE)
+        self._options: dict = {"cpp_wrapper": True} if self.cpp_wrapper else {}
+        self._kwargs = {"fullgraph": True, "dynamic": False, "backend": self.compiler}
         if mode is not None and compile_backend == "inductor":  # torch.compile takes a mode or options, not both
-            options = {**torch._inductor.list_mode_options(mode), **options}
+            self._options = {**torch._inductor.list_mode_options(mode), **self._options}
         elif mode is not None:  # another backend's own mode: it keeps every guard
-            kwargs["mode"], options = mode, {}
-        if options:
-            kwargs["options"] = options
+            self._kwargs["mode"], self._options, self.guarded_sources = mode, {}, None
         # Whether outputs live in memory the next replay overwrites: any mode that records CUDA graphs,
         # or a backend callable that says so (`reuses_outputs = True`, as one with static output buffers).
-        self.cuda_graphs = (mode in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))
+        self.cuda_graphs = (mode in ("reduce-overhead", "max-autotune") or bool(self._options.get("triton.cudagraphs"))
                             or bool(getattr(self.compiler, "reuses_outputs", False)))
-        self.compiled = torch.compile(step, **kwargs)
+        self.compiled = self._compile()
         self.compile_seconds: dict[int, float] = {}  # bucket -> seconds its first call took
         self.graph_of: dict[int, int] = {}  # bucket -> index of the graph that serves it (in compile order)
         self._graphs = 0
@@ -162,6 +178,14 @@ class CompiledDecoder:
             if b >= rows:
                 return b
         raise ValueError(f"{rows} rows exceed the largest bucket {self.largest}; split the batch first")
+
+    def load_package(self) -> bool:
+        """Loads the step saved by an earlier process with the same key, if there is one. When it returns
+        True, nothing will be traced: the caller must stop marking the metadata's slices for Dynamo."""
+        if self.package_path is None or self.graph_of:
+            return False
+        self.packaged = package.load(self.compiled, self.package_path)
+        return self.packaged
 
     def warmup(self, progress: Callable[..., None] | None = None, buckets: tuple[int, ...] | None = None
                ) -> dict[int, float]:
@@ -187,6 +211,8 @@ class CompiledDecoder:
 
     def _first_call(self, bucket: int) -> tuple[torch.Tensor, ...]:
         """A bucket's first replay, which may compile: timed, and the graph that serves it noted."""
+        if self.package_path is not None:
+            return self._first_packaged_call(bucket)
         with _DYNAMO_STATE:
             frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             t0 = time.perf_counter()
@@ -205,18 +231,50 @@ class CompiledDecoder:
             raise CompileError(f"bucket {bucket} ran without a graph of its own or a symbolic one to serve it")
         return outputs
 
+    def _first_packaged_call(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The first call of a bucket on the packaged step; the very first compiles and saves the package
+        unless one was loaded. If that compile fails, the step compiles the usual way from then on."""
+        t0 = time.perf_counter()
+        with _DYNAMO_STATE:
+            if not self.packaged:
+                try:
+                    package.compile_and_save(self.compiled, self.package_path)
+                    self.packaged = True
+                except Exception as e:  # an unsupported corner of torch's AOT path: trace as usual
+                    log.warning("could not compile the step as a package (%s: %s); compiling it as usual",
+                                type(e).__name__, e)
+                    self._unpackage()
+                    return self._first_call(bucket)
+            outputs = self._replay(bucket)
+        self.compile_seconds[bucket] = time.perf_counter() - t0
+        self.graph_of[bucket] = self._symbolic_graph = 0
+        self._graphs = 1
+        return outputs
+
+    def _compile(self):
+        """The step under torch.compile (nothing is traced before its first call)."""
+        options = dict(self._options)  # torch.compile takes the guard filter out of the dict it is given
+        if self.guarded_sources is not None:
+            options["guard_filter_fn"] = guard_filter(self.guarded_sources)
+        return torch.compile(self.step, **self._kwargs, **({"options": options} if options else {}))
+
+    def _unpackage(self) -> None:
+        """From now on the step compiles the usual way, with every guard the caller asked for."""
+        self.package_path, self.guarded_sources = None, self._requested_sources
+        self.compiled = self._compile()
+
+    def _replay(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        try:
+            with _DYNAMO_STATE, torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+                return self.compiled()
+        except RuntimeError as e:
+            if "fail_on_recompile" not in str(e) and not package.is_guard_failure(e):
+                raise
+            raise CompileError(f"decode step for bucket {bucket} would recompile after warm-up: {e}") from None
+
     def run(self, bucket: int) -> tuple[torch.Tensor, ...]:
         """Replays the graph of `bucket`, for which the buffers were prepared; a bucket not compiled yet
         is compiled first (lazy start-up). Outputs are tensors the caller owns."""
-        if bucket not in self.graph_of:
-            outputs = self._first_call(bucket)
-        else:
-            try:
-                with _DYNAMO_STATE, torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
-                    outputs = self.compiled()
-            except RuntimeError as e:
-                if "fail_on_recompile" not in str(e):
-                    raise
-                raise CompileError(f"decode step for bucket {bucket} would recompile after warm-up: {e}") from None
+        outputs = self._first_call(bucket) if bucket not in self.graph_of else self._replay(bucket)
         # CUDA-graph outputs live in graph-owned memory that the next replay overwrites.
         return tuple(t.clone() for t in outputs) if self.cuda_graphs else outputs

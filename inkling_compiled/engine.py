@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import random
+import sys
 import threading
 import time
 import weakref
@@ -37,7 +38,8 @@ from .checks import option_bool, option_int
 from .config import InklingConfig
 from .custom_ops.library import build_in_background
 from .errors import InklingError, OptionError, RequestError
-from .graphs import CompiledDecoder, choose_buckets
+from . import custom_ops, graphs
+from .graphs import CompiledDecoder, choose_buckets, package
 from .kv_layout import pages_for
 from .loading import load_model, resolve_device
 from .model import InklingForCausalLM
@@ -70,7 +72,8 @@ class Engine:
                  seed: int = 0, buckets: tuple[int, ...] | None = None, compile_backend: str = "inductor",
                  compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
                  cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
-                 specialize_batch_one: bool = False, layer_transfer: bool = False, warmup: bool = True,
+                 specialize_batch_one: bool = False, compile_package: bool = True, layer_transfer: bool = False,
+                 warmup: bool = True,
                  progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
                  state_memory_bytes: int | None = None, host_cache_bytes: int = 0, speculative=None,
                  num_speculative_tokens: int = 2, max_prefill_tokens=None, ranks: parallel.Ranks | None = None):
@@ -147,10 +150,21 @@ class Engine:
             graph_options = dict(device=self.device, buckets=buckets, compile_backend=compile_backend, mode=compile_mode,
                                  cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper,
                                  guarded_sources=DecodeStep.GUARDED_SOURCES)
+            # The decode step saved whole in the compile cache, for later processes to load instead of
+            # tracing (graphs/package.py); not under tensor parallelism or with a HiCache barrier.
+            package_key = None
+            if option_bool("compile_package", compile_package) and ranks is None and not layer_transfer:
+                # Everything the graph holds as a constant: the model, the dtype, the page size, the ring's
+                # length and each state tensor's per-row shape; the pool's sizes are symbols.
+                pool = self.pool
+                package_key = (package.source_hash(sys.modules[__package__], custom_ops, graphs), repr(config),
+                               str(dtype), page_size, pool.ring_size,
+                               [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())])
             self.decoder = CompiledDecoder(DecodeStep(model, self.backend), self.backend.prepare_padding,
-                                           graph_per_bucket=graph_per_bucket,
-                                           specialize_batch_one=specialize_batch_one, **graph_options)
-            self.backend.buffers.symbolic_batch = self.decoder.symbolic_batch
+                                           graph_per_bucket=graph_per_bucket, specialize_batch_one=specialize_batch_one,
+                                           package_key=package_key, **graph_options)
+            # A loaded package traces nothing, and its guards expect the metadata's slices unmarked.
+            self.backend.buffers.symbolic_batch = None if self.decoder.load_package() else self.decoder.symbolic_batch
             if self.drafter is not None:  # verify graphs: static, one per bucket (for this K)
                 self.verifier = CompiledDecoder(
                     VerifyStep(model, self.backend, self.drafter.needs_hidden), self.backend.prepare_verify_padding,

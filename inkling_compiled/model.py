@@ -323,7 +323,8 @@ class InklingForCausalLM(nn.Module):
 
     def hidden_states(self, ids: torch.Tensor, ctx) -> torch.Tensor:
         x = self.model.embed_tokens(ids)
-        for layer in self.model.layers:
+        for index in range(len(self.model.layers)):  # indexed, not iterated: no guard on the list's key order
+            layer = self.model.layers[index]
             x = layer(x, ctx)
         return self.model.norm(x)
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .backend import StepBackend
+from .graphs.capture import INSTANCE_SOURCE
 from .metadata import StepMetadata
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
@@ -102,7 +103,7 @@ class DecodeStep(nn.Module):
     # the metadata, the one thing the step reads that changes between steps (its sizes per bucket),
     # and which step this is. Parameters, pool and module structure are fixed for a step's life, but two
     # steps (two engines in one process) may share Dynamo's cache: the instance number keeps them apart.
-    GUARDED_SOURCES = ("self.backend.metadata", "self.instance")
+    GUARDED_SOURCES = ("self.backend.metadata", INSTANCE_SOURCE)
 
     def __init__(self, model: InklingForCausalLM, backend: StepBackend):
         super().__init__()

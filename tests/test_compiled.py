@@ -142,8 +142,10 @@ def test_compile_backend_errors(checkpoint):
 def test_inductor_code_has_no_pool_sized_copies(checkpoint):
     from torch._inductor.utils import run_and_get_code
 
-    # The Python launch wrapper (cpp_wrapper=False) prints the same buffers and calls as readable code.
-    engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), warmup=False, cpp_wrapper=False)
+    # The Python launch wrapper (cpp_wrapper=False) prints the same buffers and calls as readable code;
+    # traced, not loaded as a package, so that there is code to print.
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), warmup=False, cpp_wrapper=False,
+                             compile_package=False)
     _, codes = run_and_get_code(engine.decoder.warmup)
     assert len(codes) == 1  # one symbolic graph for both buckets
     big = pool_shapes(engine.pool.state_tensors())
@@ -163,12 +165,13 @@ def test_pool_sizes_are_not_baked_into_the_graph(checkpoint):
     """Another max_batch_size, num_pages or max_model_len reuses the compiled graph from inductor's cache,
     compiling nothing anew, and every layer still reads and writes its own state: tokens and logprobs equal
     the eager engine's with the same sizes (a graph that slices layers out of a stacked pool tensor with
-    symbolic sizes gets this wrong from the second step on)."""
+    symbolic sizes gets this wrong from the second step on). The traced path: a packaged step (below)
+    reuses its package instead."""
     prompts = [random_prompt(n, seed=n) for n in (3, 9, 15, 20)]
-    compiled_engine(checkpoint, "tiny", max_batch_size=4, num_pages=40, max_model_len=64)
+    compiled_engine(checkpoint, "tiny", max_batch_size=4, num_pages=40, max_model_len=64, compile_package=False)
     for sizes in (dict(max_batch_size=8, num_pages=90, max_model_len=256), dict(max_batch_size=3, num_pages=24)):
         before = dict(torch._dynamo.utils.counters["inductor"])
-        compiled = compiled_engine(checkpoint, "tiny", **sizes)
+        compiled = compiled_engine(checkpoint, "tiny", compile_package=False, **sizes)
         after = torch._dynamo.utils.counters["inductor"]
         assert after["fxgraph_cache_miss"] == before.get("fxgraph_cache_miss", 0), sizes
         assert after["fxgraph_cache_hit"] == before.get("fxgraph_cache_hit", 0) + 1, sizes

@@ -1,7 +1,7 @@
 """Per-bucket decode-step latency (metadata prep + graph replay) and engine decode tokens/s of the
 compiled engine; used by gpu_check.sh on CUDA.
 
-    OMP_NUM_THREADS=1 python tools/step_latency.py --device cpu [--configs tiny small] [--graphs batch-one]
+    OMP_NUM_THREADS=1 python tools/step_latency.py --device cpu [--configs tiny small] [--graphs batch-one] [--no-package]
     python3 tools/step_latency.py --device cuda --dtype bfloat16
 """
 
@@ -24,6 +24,8 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="default: fp32 on CPU, bf16 on GPU")
     p.add_argument("--graphs", default="one", choices=["one", "batch-one", "per-bucket"],
                    help="one symbolic graph (default), bucket 1 specialised beside it, or one per bucket")
+    p.add_argument("--no-package", action="store_true",
+                   help="trace the step with Dynamo at every start instead of saving and loading it whole")
     args = p.parse_args()
     torch.set_num_threads(1)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -32,9 +34,10 @@ def main() -> None:
             path = build_tiny_checkpoint(Path(tmp) / name, name)
             engine = Engine.from_pretrained(path, device=args.device, dtype=args.dtype, max_batch_size=32,
                                             progress=False, specialize_batch_one=args.graphs == "batch-one",
-                                            graph_per_bucket=args.graphs == "per-bucket")
+                                            graph_per_bucket=args.graphs == "per-bucket",
+                                            compile_package=not args.no_package)
             d = engine.decoder
-            print(f"{name}: mode={d.mode} graphs {d.graphs()} warm-up " +
+            print(f"{name}: mode={d.mode} graphs {d.graphs()} {'packaged' if d.packaged else 'traced'}, warm-up " +
                   ", ".join(f"bs{b} {s:.1f}s" for b, s in d.compile_seconds.items()))
             for b in d.buckets:
                 def step():

@@ -1,0 +1,91 @@
+"""A warm start past Dynamo: the compiled step saved whole, so that a new process skips tracing.
+
+Inductor's cache already spares a new process the C++ build, but Dynamo still traces the step anew
+(about 2.5 s of an 8 s warm start on `small`). Here the first compile goes through torch's AOT entry
+point instead (`OptimizedModule._aot_compile`: Dynamo's graph, its guards and inductor's code, made
+serialisable), and the result is written to `<compile cache>/dynamo/<key>.bin`; a later process whose
+key is the same loads it and runs without tracing anything. The key is the caller's (model, dtype,
+pool layout, sources) plus what this layer knows (torch, Python, the C++ wrapper), so a changed model,
+torch or option finds no file. Nothing else goes in it: the graph is the same for every pool size and
+batch range (both symbolic), and a packaged step does not guard on which engine it belongs to. Parameters and pool tensors are inputs, read from the live step at every call: nothing of the
+weights is stored.
+
+The API is experimental in torch 2.13; two of its gaps are handled here. Guards are rebuilt at load
+from tensors that lost Dynamo's dimension marks, so the step's metadata must carry no marks once a
+package is loaded (its slices need them only to be traced: the caller stops marking). And guards
+record the dispatch keys of the mode they were built in, so loading runs under inference mode, as
+every call does. Anything that goes wrong is logged and the step is compiled the usual way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("inkling_compiled")
+
+FORMAT = 1  # bump when what is saved, or how, changes
+
+
+def supported() -> bool:
+    """Whether this torch can save and load a compiled module (2.13 on; a GPU machine's older torch not)."""
+    module = torch._dynamo.eval_frame.OptimizedModule
+    return (hasattr(module, "_aot_compile") and hasattr(module, "_load_aot_compiled_module")
+            and bool(getattr(torch._dynamo.config, "enable_aot_compile", False))
+            and not torch._inductor.config.force_disable_caches)
+
+
+def package_path(cache_dir: Path, *parts: object) -> Path:
+    """`<cache_dir>/dynamo/<hash of parts>.bin`, the parts joined with this layer's own."""
+    key = repr((FORMAT, torch.__version__, sys.version, *parts))
+    return Path(cache_dir) / "dynamo" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.bin"
+
+
+def source_hash(*modules) -> str:
+    """A hash of every .py file beside the given modules (what Dynamo traces is our code)."""
+    digest = hashlib.sha256()
+    for module in modules:
+        root = Path(module.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def load(compiled, path: Path) -> bool:
+    """Makes `compiled` run the package at `path`; False (logged if the file was there) otherwise."""
+    if not path.is_file():
+        return False
+    try:
+        with torch.inference_mode():
+            compiled._load_aot_compiled_module(path.read_bytes())
+        return True
+    except Exception as e:  # a stale or damaged file: compile as usual
+        log.warning("could not load the compiled step from %s (%s: %s); compiling it", path, type(e).__name__, e)
+        return False
+
+
+def compile_and_save(compiled, path: Path) -> None:
+    """Compiles `compiled` (its inputs already prepared) through the AOT entry point and saves the result;
+    a failure to save is logged, the compiled step still runs."""
+    from torch._dynamo.aot_compile import ModelInput
+
+    compiled._aot_compile([ModelInput((), {}, [torch.inference_mode()])])
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        compiled._save_aot_compiled_module(str(partial))
+        os.replace(partial, path)  # whole or absent, for a process loading it at the same time
+    except Exception as e:
+        partial.unlink(missing_ok=True)
+        log.warning("could not save the compiled step to %s (%s: %s)", path, type(e).__name__, e)
+
+
+def is_guard_failure(error: BaseException) -> bool:
+    """Whether a packaged step refused its inputs (torch raises a plain RuntimeError for it)."""
+    return isinstance(error, RuntimeError) and "GuardManager check failed" in str(error)

@@ -1,0 +1,129 @@
+"""The compiled step saved whole (graphs/package.py): a later engine, in this process or another, loads it
+and traces nothing; the key follows the graph, not the pool; every failure falls back to compiling."""
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from inkling_compiled.engine import Engine
+from inkling_compiled.errors import CompileError
+from inkling_compiled.graphs import package
+from inkling_compiled.graphs.capture import INSTANCE_SOURCE
+from inkling_compiled.sampling import SamplingParams
+
+from conftest import random_prompt
+
+GREEDY = SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True)
+PROMPTS = [random_prompt(n, seed=500 + n) for n in (3, 9, 17)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def engine(checkpoint, name="tiny", **kw):
+    kw.setdefault("progress", False)
+    return Engine.from_pretrained(checkpoint(name), **kw)
+
+
+def traced_frames() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def assert_decodes_as_eager(compiled: Engine, checkpoint, **sizes) -> list[list[int]]:
+    want = engine(checkpoint, compile=False, **sizes).generate(PROMPTS, GREEDY)
+    got = compiled.generate(PROMPTS, GREEDY)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
+    return [g.token_ids for g in got]
+
+
+def test_a_later_engine_loads_the_packaged_step_and_traces_nothing(checkpoint):
+    """The first engine saves the step (or finds it saved); later ones, with other pool sizes and
+    another batch range, load it: Dynamo traces no frame, in this process or a new one, and every one
+    decodes as the eager engine does."""
+    first = engine(checkpoint, max_batch_size=4)
+    assert first.decoder.packaged and first.decoder.package_path.is_file()
+    assert first.decoder.graphs() == [(1, 2, 4)]
+    sizes = dict(max_batch_size=8, num_pages=70, max_model_len=192)
+    frames = traced_frames()
+    later = engine(checkpoint, **sizes)
+    assert later.decoder.packaged and later.decoder.package_path == first.decoder.package_path
+    assert traced_frames() == frames and later.decoder.graphs() == [(1, 2, 4, 8)]
+    tokens = assert_decodes_as_eager(later, checkpoint, **sizes)
+
+    script = (
+        "import json, sys, torch\n"
+        "from inkling_compiled.engine import Engine\n"
+        "from inkling_compiled.sampling import SamplingParams\n"
+        f"e = Engine.from_pretrained(sys.argv[1], progress=False, **{sizes!r})\n"
+        f"out = e.generate({PROMPTS!r}, SamplingParams(max_new_tokens=8, ignore_eos=True))\n"
+        "print(json.dumps([e.decoder.packaged, torch._dynamo.utils.counters['stats']['unique_graphs'],\n"
+        "                  [o.token_ids for o in out]]))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(checkpoint("tiny"))], capture_output=True, text=True,
+                          check=True)
+    packaged, frames, new_tokens = json.loads(done.stdout.splitlines()[-1])
+    assert packaged and frames == 0 and new_tokens == tokens
+
+
+def test_the_key_follows_the_graph_not_the_pool(checkpoint):
+    """One file for every pool size and batch range; another file for another model, dtype, page size,
+    ring or wrapper; none where a step is not packaged (options, backends, HiCache barrier, graphs per bucket)."""
+    def path(name="tiny", **kw):
+        return engine(checkpoint, name, warmup=False, **kw).decoder.package_path
+
+    base = path()
+    assert base is not None and base.parent.name == "dynamo"
+    assert path(max_batch_size=5, num_pages=33, max_model_len=100, prefill_chunk_tokens=64) == base
+    others = [path("tiny-k3"), path(dtype="bfloat16"), path(speculative="ngram"), path(cpp_wrapper=False),
+              path(page_size=4)]  # the paged attention op takes the page size as a constant
+    assert len({base, *others}) == 1 + len(others)
+    for options in (dict(compile_package=False), dict(graph_per_bucket=True), dict(specialize_batch_one=True),
+                    dict(layer_transfer=True), dict(compile_backend="aot_eager")):
+        assert path(**options) is None, options
+
+
+def test_a_damaged_package_is_not_loaded(tmp_path, caplog):
+    bad = tmp_path / "dynamo" / "0.bin"
+    bad.parent.mkdir()
+    bad.write_bytes(b"not a package")
+    compiled = torch.compile(torch.nn.Linear(2, 2))
+    with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
+        assert package.load(compiled, bad) is False
+        assert package.load(compiled, tmp_path / "missing.bin") is False
+    assert "could not load the compiled step" in caplog.text and str(bad) in caplog.text
+    assert caplog.text.count("could not load") == 1  # a missing file is not a problem
+
+
+def test_a_packaged_step_refuses_metadata_it_was_not_compiled_for(checkpoint):
+    """A guard failure of the package is the same CompileError as a recompile of a traced step."""
+    compiled = engine(checkpoint, max_batch_size=4)
+    assert compiled.decoder.packaged
+    compiled.backend.prepare_padding(2)
+    compiled.backend.metadata.seed = torch.zeros(2, dtype=torch.float64)
+    with pytest.raises(CompileError, match="would recompile"):
+        compiled.decoder.run(2)
+
+
+def test_if_the_aot_compile_fails_the_step_is_traced_with_every_guard(checkpoint, monkeypatch, caplog):
+    def refuse(compiled, path):
+        raise RuntimeError("unsupported by the AOT path")
+
+    monkeypatch.setattr(package, "compile_and_save", refuse)
+    monkeypatch.setattr(package, "load", lambda compiled, path: False)  # as if nothing were saved yet
+    with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
+        compiled = engine(checkpoint, max_batch_size=4)
+    assert "could not compile the step as a package" in caplog.text
+    assert compiled.decoder.package_path is None and not compiled.decoder.packaged
+    # the instance guard, which a packaged step leaves out, is back: traced steps share Dynamo's cache
+    assert INSTANCE_SOURCE in compiled.decoder.guarded_sources
+    assert engine(checkpoint, warmup=False).decoder.guarded_sources == ("self.backend.metadata",)
+    assert_decodes_as_eager(compiled, checkpoint, max_batch_size=4)
