@@ -65,25 +65,33 @@ def _dims(text: str) -> tuple[int, ...] | None:
     return tuple(int(x) for x in parts) if all(x.isdigit() for x in parts) else None
 
 
-_POOL_SIZE = re.compile(r"s\d+")  # a backed symbol: how a pool's size (slots, cache rows) reads in a graph
+def pool_symbols(gm: torch.fx.GraphModule) -> set[str]:
+    """The symbols standing for the pool's sizes in a graph (and in the code inductor writes for it): the
+    symbolic leading dims of its pool inputs, which Dynamo names after their source (`..._pool_...`)."""
+    found = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        example = node.meta.get("example_value")
+        if "pool" in node.name and isinstance(example, torch.Tensor):
+            found |= {str(d) for d in example.shape if isinstance(d, torch.SymInt)}
+    return found
 
 
-def _is_pool_shape(text: str, pool_shapes: set[tuple[int, ...]]) -> bool:
-    """Whether a shape written in graph code is a pool tensor's: equal, or the pool's dynamic leading
-    size as a symbol followed by its static dims. (A batch size is an unbacked `u` symbol: no match.)"""
+def _is_pool_shape(text: str, pool_shapes: set[tuple[int, ...]], symbols: set[str]) -> bool:
+    """Whether a shape written in graph code is a pool tensor's: equal, or one of the pool's size symbols
+    followed by the static dims of a pool tensor (a batch's symbol is not among them)."""
     if _dims(text) in pool_shapes:
         return True
     parts = [x for x in text.replace(" ", "").rstrip(",").split(",") if x]
-    if len(parts) < 2 or not _POOL_SIZE.fullmatch(parts[0]) or _dims(",".join(parts[1:])) is None:
-        return False
-    return any(len(shape) == len(parts) and shape[1:] == _dims(",".join(parts[1:])) for shape in pool_shapes)
+    rest = _dims(",".join(parts[1:])) if len(parts) > 1 and parts[0] in symbols else None
+    return rest is not None and any(len(shape) == len(parts) and shape[1:] == rest for shape in pool_shapes)
 
 
-def pool_copies_in_code(code: str, pool_shapes: set[tuple[int, ...]]) -> list[str]:
-    """Pool- or cache-shaped buffers allocated, and any clone/copy_, in inductor code's call()."""
+def pool_copies_in_code(code: str, pool_shapes: set[tuple[int, ...]], symbols: set[str] = frozenset()) -> list[str]:
+    """Pool- or cache-shaped buffers allocated (`symbols`: the pool's size symbols, see `pool_symbols`),
+    and any clone/copy_, in inductor code's call()."""
     body = code[code.find("def call("):] if "def call(" in code else code
     found = [f"empty_strided(({dims}))" for dims in re.findall(r"empty_strided_\w+\(\((.*?)\)", body)
-             if _is_pool_shape(dims, pool_shapes)]
+             if _is_pool_shape(dims, pool_shapes, symbols)]
     found += [m.group(0) for m in re.finditer(r"\.clone\(|aten\.copy_|\.copy_\(", body)]
     return found
 
@@ -92,7 +100,7 @@ _ANNOTATED = re.compile(r'"\w+\[([\w, ]*)\]')
 _FUNCTIONALIZED_BASE = re.compile(r"= auto_functionalized\w*\[([1-9]\d*)\]")
 
 
-def pool_copies_in_graph(gm_text: str, pool_shapes: set[tuple[int, ...]]) -> list[str]:
+def pool_copies_in_graph(gm_text: str, pool_shapes: set[tuple[int, ...]], symbols: set[str] = frozenset()) -> list[str]:
     """Nodes of a readable FX graph (shape-annotated) that copy a pool-shaped tensor: copy_/clone, and
     the mutated bases an un-reinplaced auto_functionalized op returns (it clones them to run)."""
     found = []
@@ -100,7 +108,7 @@ def pool_copies_in_graph(gm_text: str, pool_shapes: set[tuple[int, ...]]) -> lis
         if "aten.copy_" not in line and "aten.clone" not in line and not _FUNCTIONALIZED_BASE.search(line):
             continue
         m = _ANNOTATED.search(line)
-        if m and _is_pool_shape(m.group(1), pool_shapes):
+        if m and _is_pool_shape(m.group(1), pool_shapes, symbols):
             found.append(line.strip()[:160])
     return found
 
@@ -198,11 +206,11 @@ class GraphDump:
                 c = census(gm)
                 post_text = post_grad.graphs[-1] if backend == "inductor" and post_grad.graphs else (
                     self.aot_graphs[-1] if backend == "aot_eager" and self.aot_graphs else "")
-                copies = []
+                copies, symbols = [], pool_symbols(gm)
                 for code in codes:
-                    copies += pool_copies_in_code(code, shapes)
+                    copies += pool_copies_in_code(code, shapes, symbols)
                 if backend == "aot_eager":
-                    copies += pool_copies_in_graph(post_text, shapes)
+                    copies += pool_copies_in_graph(post_text, shapes, symbols)
                 inputs = static_inputs(gm, recorder.addresses[first_graph])
                 c["ops"] = {**c["ops"], **aten_counts(post_text)}
                 record = {

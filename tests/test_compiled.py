@@ -10,7 +10,7 @@ import torch
 from inkling_compiled.engine import Engine
 from inkling_compiled.errors import CompileError
 from inkling_compiled.graphs import DEFAULT_BUCKETS, GraphRecorder, census
-from inkling_compiled.graphs.dump import pool_copies_in_code, pool_shapes
+from inkling_compiled.graphs.dump import pool_copies_in_code, pool_shapes, pool_symbols
 from inkling_compiled.sampling import SamplingParams
 from inkling_compiled.speculative import Drafter
 from inkling_compiled.streams import STREAM_NAMES
@@ -144,20 +144,24 @@ def test_inductor_code_has_no_pool_sized_copies(checkpoint):
 
     # The Python launch wrapper (cpp_wrapper=False) prints the same buffers and calls as readable code;
     # traced, not loaded as a package, so that there is code to print.
+    recorder = GraphRecorder("inductor")
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), warmup=False, cpp_wrapper=False,
-                             compile_package=False)
+                             compile_backend=recorder)
     _, codes = run_and_get_code(engine.decoder.warmup)
     assert len(codes) == 1  # one symbolic graph for both buckets
     big = pool_shapes(engine.pool.state_tensors())
+    symbols = pool_symbols(recorder.graphs[0])  # slots, ring rows, page rows (the block table's too)
+    assert len(symbols) == 4 and all(s.startswith("u") for s in symbols)
     ring = engine.pool.sliding_kv[0][0]  # one layer's ring: [(slots+1)*W, nkv, hd]
     dims = ", ".join(map(str, ring.shape))
     assert pool_copies_in_code(f"buf = empty_strided_cpu(({dims}), (8, 8, 1))", big)  # the scan can fire
-    trailing = ", ".join(map(str, ring.shape[1:]))  # and on the pool's symbolic size, not on a batch's
-    assert pool_copies_in_code(f"buf = empty_strided_cpu((s7, {trailing}), (8, 8, 1))", big)
-    assert not pool_copies_in_code(f"buf = empty_strided_cpu((u0, {trailing}), (8, 8, 1))", big)
+    trailing = ", ".join(map(str, ring.shape[1:]))  # and on a pool's symbolic size, not on a batch's
+    assert any(pool_copies_in_code(f"buf = empty_strided_cpu(({s}, {trailing}), (8, 8, 1))", big, symbols)
+               for s in symbols)
+    assert not pool_copies_in_code(f"buf = empty_strided_cpu((u99, {trailing}), (8, 8, 1))", big, symbols)
     for code in codes:
         body = code[code.index("def call("):]
-        assert pool_copies_in_code(body, big) == []
+        assert pool_copies_in_code(body, big, symbols) == []
         assert body.count("torch.ops.inkling.sconv_decode.default(") == 4 * engine.config.num_hidden_layers
 
 
@@ -267,10 +271,10 @@ def test_pool_and_metadata_are_marked_static_before_anything_compiles(checkpoint
 
 
 @pytest.mark.parametrize("graphs", ["one", "per-bucket"])
-def test_every_graph_input_is_a_static_tensor_or_the_batch_size(graphs, checkpoint):
+def test_every_graph_input_is_a_static_tensor_or_a_size_symbol(graphs, checkpoint):
     """What CUDA graphs need to neither copy the cache at each replay nor refuse to capture: every tensor
     the decode graph is fed is a static input, and nothing per step reaches it as a Python value (the
-    only other input of the one-graph step is its batch size, a symbol of the metadata's shapes)."""
+    other inputs are symbols of sizes: the pool's, and the batch's in the one-graph step)."""
     inputs = []
 
     def record(gm, example_inputs):
@@ -280,17 +284,16 @@ def test_every_graph_input_is_a_static_tensor_or_the_batch_size(graphs, checkpoi
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(2, 4), compile_backend=record,
                              graph_per_bucket=graphs == "per-bucket")
     assert len(inputs) == (2 if graphs == "per-bucket" else 1)
-    pool = engine.pool
-    pool_sizes = {t.shape[0] for t in pool.static_tensors()} | set(pool.block_table.shape)
+    assert engine.pool.sliding_kv and engine.pool.global_kv  # tiny has both kinds of layers
     for example in inputs:
         tensors = [x for x in example if isinstance(x, torch.Tensor)]
         others = [x for x in example if not isinstance(x, torch.Tensor)]
         assert len(tensors) > 100 and [x for x in tensors if _static_kind(x) is None] == []
-        # the other inputs are symbols: the pool's sizes, and the batch's unless each bucket has a graph
+        # The other inputs are symbols, one per kind of size, however many tensors have it (each is an
+        # argument of every call): the pool's slots, ring rows, page rows and block-table width, and the
+        # batch unless each bucket has a graph of its own.
         assert {type(x) for x in others} == {torch.SymInt}
-        sizes = [x.node.hint if x.node.hint is not None else x.node.expr for x in others]
-        batch = [s for s in sizes if s not in pool_sizes]
-        assert len(batch) == (0 if graphs == "per-bucket" else 1), sizes
+        assert len(others) == 4 + (0 if graphs == "per-bucket" else 1), others
 
 
 class OutputReusingBackend:

@@ -33,6 +33,14 @@ from .allocator import IndexAllocator
 LayerTransferCounter = barrier.LayerTransferCounter
 
 
+def _mark_size(t: torch.Tensor, dim: int, shape_id: str) -> None:
+    # Unbacked, since only those take a shape id; Dynamo never specialises them (a size of 1 included).
+    try:
+        torch._dynamo.decorators.mark_unbacked(t, dim, shape_id=shape_id)
+    except TypeError:  # a torch without shape ids: one symbol per tensor
+        torch._dynamo.decorators.mark_unbacked(t, dim)
+
+
 class StatePool:
     def __init__(self, config: InklingConfig, *, max_slots: int, num_pages: int, page_size: int,
                  max_pages_per_seq: int, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -99,11 +107,15 @@ class StatePool:
         """The pool's sizes (slots, cache rows, block-table width) become symbols in a compiled step, so
         that its graph, and inductor's cache of it, fits any `max_batch_size`, `num_pages` and
         `max_model_len`. Per-layer widths, the window and the ring's length per slot stay static.
-        `maybe_`: a size of 1 (a one-page block table) is specialised rather than refused."""
-        for t in [*self.state_tensors(), *self.draft_windows()]:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        for dim in (0, 1):
-            torch._dynamo.maybe_mark_dynamic(self.block_table, dim)
+        Tensors of one kind share one symbol (`shape_id`): the compiled step takes each symbol's value
+        as an argument at every call, one per symbol, not one per tensor."""
+        slots = [*self.conv.values(), *self.intermediate_conv_window.values()]
+        for name, tensors in (("pool slots", [t for layers in slots for t in layers] + [self.block_table]),
+                              ("pool ring rows", [t for layers in self.sliding_kv for t in layers]),
+                              ("pool page rows", [t for layers in self.global_kv for t in layers])):
+            for t in tensors:
+                _mark_size(t, 0, name)
+        _mark_size(self.block_table, 1, "pool pages per slot")
 
     # ---- ownership ------------------------------------------------------------------------------
 
