@@ -142,6 +142,8 @@ class CompiledDecoder:
                     and package.supported())
         self.package_path = package.package_path(self.cache_dir, package_key, self.cpp_wrapper) if eligible else None
         self.packaged = False  # whether the step runs as a package (loaded, or compiled and saved here)
+        # Called when a loaded package is dropped for tracing: whoever marks the metadata marks it again.
+        self.on_unpackage: Callable[[], None] | None = None
         self._requested_sources = guarded_sources
         self.guarded_sources = guarded_sources  # what the compiled step's guards keep (None: all)
         if eligible and guarded_sources is not None:
@@ -184,7 +186,8 @@ class CompiledDecoder:
         True, nothing will be traced: the caller must stop marking the metadata's slices for Dynamo."""
         if self.package_path is None or self.graph_of:
             return False
-        self.packaged = package.load(self.compiled, self.package_path)
+        with _DYNAMO_STATE:
+            self.packaged = package.load(self.compiled, self.package_path)
         return self.packaged
 
     def warmup(self, progress: Callable[..., None] | None = None, buckets: tuple[int, ...] | None = None
@@ -233,7 +236,8 @@ class CompiledDecoder:
 
     def _first_packaged_call(self, bucket: int) -> tuple[torch.Tensor, ...]:
         """The first call of a bucket on the packaged step; the very first compiles and saves the package
-        unless one was loaded. If that compile fails, the step compiles the usual way from then on."""
+        unless one was loaded. If that compile fails, or a loaded package refuses its very first inputs
+        (something its key missed), the step is traced the usual way from then on."""
         t0 = time.perf_counter()
         with _DYNAMO_STATE:
             if not self.packaged:
@@ -245,7 +249,21 @@ class CompiledDecoder:
                                 type(e).__name__, e)
                     self._unpackage()
                     return self._first_call(bucket)
-            outputs = self._replay(bucket)
+            if self.graph_of:  # the package already served a bucket: a refusal now is the caller's
+                outputs = self._replay(bucket)
+            else:
+                try:
+                    with torch.inference_mode():
+                        outputs = self.compiled()
+                except RuntimeError as e:
+                    if not package.is_guard_failure(e):
+                        raise
+                    log.warning("the packaged step (%s) refused its first inputs (%s); tracing it",
+                                self.package_path, str(e).splitlines()[-1][:200])
+                    self._unpackage()
+                    if self.on_unpackage is not None:
+                        self.on_unpackage()
+                    return self._first_call(bucket)
         self.compile_seconds[bucket] = time.perf_counter() - t0
         self.graph_of[bucket] = self._symbolic_graph = 0
         self._graphs = 1
@@ -260,7 +278,7 @@ class CompiledDecoder:
 
     def _unpackage(self) -> None:
         """From now on the step compiles the usual way, with every guard the caller asked for."""
-        self.package_path, self.guarded_sources = None, self._requested_sources
+        self.package_path, self.packaged, self.guarded_sources = None, False, self._requested_sources
         self.compiled = self._compile()
 
     def _replay(self, bucket: int) -> tuple[torch.Tensor, ...]:

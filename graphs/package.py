@@ -4,8 +4,9 @@ Inductor's cache already spares a new process the C++ build, but Dynamo still tr
 (about 2.5 s of an 8 s warm start on `small`). Here the first compile goes through torch's AOT entry
 point instead (`OptimizedModule._aot_compile`: Dynamo's graph, its guards and inductor's code, made
 serialisable), and the result is written to `<compile cache>/dynamo/<key>.bin`; a later process whose
-key is the same loads it and runs without tracing anything. The key is the caller's (model, dtype,
-pool layout, sources) plus what this layer knows (torch, Python, the C++ wrapper), so a changed model,
+key is the same loads it and runs without tracing anything. The key is the caller's (model, weight
+layout, dtype, pool layout, pinned torch state, sources) plus what this layer knows (torch, Python, the
+C++ wrapper, inductor's instruction set, thread count and configuration), so a changed model, machine,
 torch or option finds no file. Nothing else goes in it: the graph is the same for every pool size and
 batch range (both symbolic), and a packaged step does not guard on which engine it belongs to. Parameters and pool tensors are inputs, read from the live step at every call: nothing of the
 weights is stored.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -40,9 +42,19 @@ def supported() -> bool:
             and not torch._inductor.config.force_disable_caches)
 
 
+def machine_key() -> tuple:
+    """What inductor's generated code depends on beyond the graph: the instruction set it picks (which
+    ATEN_CPU_CAPABILITY can lower), the thread count it is built for, and its own configuration."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    config = torch._inductor.config.save_config_portable()
+    return (str(pick_vec_isa()), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
+            sorted((k, repr(v)) for k, v in config.items()))
+
+
 def package_path(cache_dir: Path, *parts: object) -> Path:
     """`<cache_dir>/dynamo/<hash of parts>.bin`, the parts joined with this layer's own."""
-    key = repr((FORMAT, torch.__version__, sys.version, *parts))
+    key = repr((FORMAT, torch.__version__, sys.version, machine_key(), *parts))
     return Path(cache_dir) / "dynamo" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.bin"
 
 
@@ -63,11 +75,28 @@ def load(compiled, path: Path) -> bool:
         return False
     try:
         with torch.inference_mode():
-            compiled._load_aot_compiled_module(path.read_bytes())
+            _deserialize(compiled, path.read_bytes())
         return True
     except Exception as e:  # a stale or damaged file: compile as usual
         log.warning("could not load the compiled step from %s (%s: %s); compiling it", path, type(e).__name__, e)
         return False
+
+
+def _deserialize(compiled, data: bytes) -> None:
+    """`compiled._load_aot_compiled_module(data)`, with the traced method's module as the globals its code
+    may name (torch's own loader passes none, and then fails on code that names `torch`)."""
+    from torch._dynamo import convert_frame
+    from torch._dynamo.aot_compile import AOTCompiledFunction, AOTCompiledModel
+    from torch._dynamo.utils import get_metrics_context
+    from torch._guards import CompileContext, compile_context
+
+    model = compiled._orig_mod
+    f_globals = type(model).forward.__globals__
+    functions = []
+    for blob in pickle.loads(data):
+        with compile_context(CompileContext(convert_frame.get_compile_id({}))), get_metrics_context():
+            functions.append(AOTCompiledFunction.deserialize(blob, f_globals))
+    compiled.forward = AOTCompiledModel(model, functions)
 
 
 def compile_and_save(compiled, path: Path) -> None:

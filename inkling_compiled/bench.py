@@ -218,21 +218,30 @@ def spec_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+STARTUP_PHASES = (  # (name, inductor cache folder, compile_package): each phase a new process, in this order
+    ("cold", "packaged", True), ("warm", "packaged", True), ("cold, traced", "traced", False),
+    ("warm, traced", "traced", False))
+
+
 def compile_times(config: str, max_batch_size: int = 32) -> dict:
-    """Cold (empty inductor cache) and warm (same cache, new process) warm-up of every default bucket:
-    seconds per bucket, to a ready engine (`total_s`, from the start of the process's imports) and to
-    its first generated token (`first_token_s`)."""
+    """Warm-up of every default bucket in a new process: cold (empty compile cache) and warm (the same
+    cache again), with the step saved and loaded whole (the default) and traced by Dynamo each time
+    (`compile_package=False`, a cache of its own). Per phase: seconds per bucket, to a ready engine
+    (`total_s`, from the start of the process's imports) and to its first generated token
+    (`first_token_s`)."""
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = build_tiny_checkpoint(Path(tmp) / config, config)
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor"), "OMP_NUM_THREADS": "1"}
-        script = ("import json, sys, time, torch; torch.set_num_threads(1); t = time.perf_counter(); "
-                  "from inkling_compiled.engine import Engine; "
-                  f"e = Engine.from_pretrained(sys.argv[1], max_batch_size={max_batch_size}, progress=False); "
-                  "ready = time.perf_counter() - t; e.generate([3, 4, 5]); "
-                  "print(json.dumps({'buckets': e.decoder.compile_seconds, 'graphs': e.decoder.graphs(), "
-                  "'total_s': ready, 'first_token_s': time.perf_counter() - t}))")
         out = {}
-        for phase in ("cold", "warm"):
+        for phase, cache, packaged in STARTUP_PHASES:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / cache), "OMP_NUM_THREADS": "1"}
+            script = ("import json, sys, time, torch; torch.set_num_threads(1); t = time.perf_counter(); "
+                      "from inkling_compiled.engine import Engine; "
+                      f"e = Engine.from_pretrained(sys.argv[1], max_batch_size={max_batch_size}, progress=False, "
+                      f"compile_package={packaged}); "
+                      "ready = time.perf_counter() - t; e.generate([3, 4, 5]); "
+                      "print(json.dumps({'buckets': e.decoder.compile_seconds, 'graphs': e.decoder.graphs(), "
+                      "'packaged': e.decoder.packaged, 'total_s': ready, "
+                      "'first_token_s': time.perf_counter() - t}))")
             run = subprocess.run([sys.executable, "-c", script, str(ckpt)], env=env, capture_output=True, text=True,
                                  check=True)
             out[phase] = json.loads(run.stdout.strip().splitlines()[-1])

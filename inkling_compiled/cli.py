@@ -149,8 +149,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.compile_times:
         results["compile_times"] = {c: compile_times(c, max(args.batches)) for c in args.compile_times}
         for c, t in results["compile_times"].items():
-            print(f"{c}: warm-up of buckets {sorted(map(int, t['cold']['buckets']))}: cold {t['cold']['total_s']:.1f} s, "
-                  f"warm {t['warm']['total_s']:.1f} s (new process, same cache)")
+            print(f"{c}: buckets {sorted(map(int, t['cold']['buckets']))} ready in (new process each; "
+                  "first token in brackets):")
+            for phase, r in t.items():
+                print(f"  {phase:<13} {r['total_s']:6.1f} s  ({r['first_token_s']:.1f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -384,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default="bench-decode.json", help="results file")
     bench.add_argument("--png", default="bench-decode.png", help="plot (needs matplotlib: the [bench] extra)")
     bench.add_argument("--compile-times", nargs="*", default=[], metavar="CONFIG",
-                       help="also time cold and warm warm-up of all default buckets for these configs")
+                       help="also time cold and warm warm-up of all default buckets for these configs, packaged and traced")
     bench.add_argument("--speculative", nargs="+", choices=["ngram", "mtp", "replay"], default=None,
                        help="instead: compiled speculative decoding with these drafters against compiled plain "
                             "decoding on a copy workload, every layer made sliding (replay: the plain run's own "

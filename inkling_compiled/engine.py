@@ -38,7 +38,7 @@ from .checks import option_bool, option_int
 from .config import InklingConfig
 from .custom_ops.library import build_in_background
 from .errors import InklingError, OptionError, RequestError
-from . import custom_ops, graphs
+from . import custom_ops, graphs, torch_state
 from .graphs import CompiledDecoder, choose_buckets, package
 from .kv_layout import pages_for
 from .loading import load_model, resolve_device
@@ -146,6 +146,7 @@ class Engine:
                                    max_tokens=self.prefill_chunk_tokens, device=self.device,
                                    draft_tokens=draft_tokens)
         self.decoder = self.verifier = None
+        compile_package = option_bool("compile_package", compile_package)
         if compile:
             graph_options = dict(device=self.device, buckets=buckets, compile_backend=compile_backend, mode=compile_mode,
                                  cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper,
@@ -153,18 +154,24 @@ class Engine:
             # The decode step saved whole in the compile cache, for later processes to load instead of
             # tracing (graphs/package.py); not under tensor parallelism or with a HiCache barrier.
             package_key = None
-            if option_bool("compile_package", compile_package) and ranks is None and not layer_transfer:
-                # Everything the graph holds as a constant: the model, the dtype, the page size, the ring's
-                # length and each state tensor's per-row shape; the pool's sizes are symbols.
+            if compile_package and ranks is None and not layer_transfer:
+                # Everything the graph holds as a constant: the model and its weights' layout, the dtype,
+                # the page size, the ring's length, each state tensor's per-row shape and the torch state
+                # the steps are pinned to; the pool's sizes are symbols.
                 pool = self.pool
                 package_key = (package.source_hash(sys.modules[__package__], custom_ops, graphs), repr(config),
                                str(dtype), page_size, pool.ring_size,
-                               [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())])
+                               [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())],
+                               [(tuple(p.shape), p.stride(), str(p.dtype)) for p in model.parameters()],
+                               [(name, repr(get())) for name, (get, _) in torch_state.SETTINGS.items()])
             self.decoder = CompiledDecoder(DecodeStep(model, self.backend), self.backend.prepare_padding,
                                            graph_per_bucket=graph_per_bucket, specialize_batch_one=specialize_batch_one,
                                            package_key=package_key, **graph_options)
-            # A loaded package traces nothing, and its guards expect the metadata's slices unmarked.
-            self.backend.buffers.symbolic_batch = None if self.decoder.load_package() else self.decoder.symbolic_batch
+            # A loaded package traces nothing, and its guards expect the metadata's slices unmarked; if it
+            # is dropped for tracing after all, the slices are marked again.
+            buffers, decoder = self.backend.buffers, self.decoder
+            buffers.symbolic_batch = None if decoder.load_package() else decoder.symbolic_batch
+            decoder.on_unpackage = lambda: buffers.mark_for_tracing(decoder.symbolic_batch)
             if self.drafter is not None:  # verify graphs: static, one per bucket (for this K)
                 self.verifier = CompiledDecoder(
                     VerifyStep(model, self.backend, self.drafter.needs_hidden), self.backend.prepare_verify_padding,

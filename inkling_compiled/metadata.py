@@ -236,6 +236,14 @@ class StepBuffers:
         region.staging.numpy()[:len(data)] = data
         return self._publish(kind, rows, tokens)
 
+    def mark_for_tracing(self, batch: range | None) -> None:
+        """From now on decode slices are marked for `batch` (see `symbolic_batch`): the slices kept so far
+        are dropped, and the step last prepared is published again on new, marked ones."""
+        self.symbolic_batch = batch
+        self._decode_views.clear()
+        if self.last_step is not None and self.last_step[0] == "decode":
+            self._publish(*self.last_step)
+
     def _mark_symbolic(self, view: torch.Tensor, rows: int, extra: int) -> None:
         batch = self.symbolic_batch
         if batch is None or rows not in batch:

@@ -3,6 +3,7 @@ and traces nothing; the key follows the graph, not the pool; every failure falls
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -89,6 +90,46 @@ def test_the_key_follows_the_graph_not_the_pool(checkpoint):
     for options in (dict(compile_package=False), dict(graph_per_bucket=True), dict(specialize_batch_one=True),
                     dict(layer_transfer=True), dict(compile_backend="aot_eager")):
         assert path(**options) is None, options
+
+
+def test_the_key_follows_the_machine_the_threads_and_the_weight_layout(checkpoint):
+    """Inductor's code depends on the instruction set it picks and the thread count; the graph on the
+    torch state the steps are pinned to and on how the weights are laid out (from_pretrained stores wide
+    projections transposed). Each gets a file of its own."""
+    base = engine(checkpoint, warmup=False).decoder.package_path
+    script = ("import sys\nfrom inkling_compiled.engine import Engine\n"
+              "print(Engine.from_pretrained(sys.argv[1], progress=False, warmup=False).decoder.package_path)\n")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}  # no vector instructions for inductor's code
+    done = subprocess.run([sys.executable, "-c", script, str(checkpoint("tiny"))], capture_output=True, text=True,
+                          check=True, env=env)
+    assert done.stdout.split()[-1] != str(base)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert engine(checkpoint, warmup=False).decoder.package_path != base
+    finally:
+        torch.set_num_threads(threads)
+    model = engine(checkpoint, compile=False).model
+    for p in model.parameters():
+        p.data = p.data.contiguous()  # the same values, every weight row-major
+    assert Engine(model, progress=False, warmup=False).decoder.package_path != base
+
+
+def test_a_package_that_refuses_its_first_inputs_is_dropped_for_tracing(checkpoint, caplog):
+    """Something the key missed: the step is traced instead, its metadata marked again, and it decodes as
+    the eager engine does."""
+    engine(checkpoint, max_batch_size=4)  # the package exists
+    compiled = engine(checkpoint, max_batch_size=4, warmup=False)
+    assert compiled.decoder.packaged
+    compiled.backend.prepare_padding(1)
+    compiled.backend.metadata.seed = torch.zeros(1, dtype=torch.float64)  # not what the package was built for
+    frames = traced_frames()
+    with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
+        compiled.decoder.run(1)
+    assert "refused its first inputs" in caplog.text
+    assert not compiled.decoder.packaged and compiled.decoder.package_path is None
+    assert traced_frames() == frames + 1 and compiled.backend.metadata.seed.dtype == torch.int64
+    assert_decodes_as_eager(compiled, checkpoint, max_batch_size=4)
 
 
 def test_a_damaged_package_is_not_loaded(tmp_path, caplog):

@@ -510,29 +510,10 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t
     }
 }
 
-// W columns contiguous (W^T stored [H, O] row-major): R rows x 16*V outputs, accumulated over h.
-template <int R, int V>
-INKLING_INLINE void axpy_block(const float* x, int64_t H, const float* w, int64_t w_h, int64_t O, float* y) {
-  vec16 acc[R][V] = {};
-  for (int64_t h = 0; h < H; ++h) {
-    const float* wh = w + h * w_h;
-    vec16 wv[V];
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) wv[v] = load16(wh + 16 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float xs = x[r * H + h];
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) acc[r][v] += xs * wv[v];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) store16(y + r * O + 16 * v, acc[r][v]);
-}
-
 constexpr int64_t kSlice = 64;  // rows of W^T per slice (sliced_matmul below)
 
-// The same over h in [h0, h1), adding to the partial sums already in y unless `first`.
+// W columns contiguous (W^T stored [H, O] row-major): R rows x 16*V outputs over h in [h0, h1), adding
+// to the partial sums already in y unless `first`.
 template <int R, int V>
 INKLING_INLINE void axpy_block_part(const float* x, int64_t H, int64_t h0, int64_t h1, const float* w, int64_t w_h,
                                     int64_t O, float* y, bool first) {
@@ -567,29 +548,18 @@ INKLING_INLINE void axpy_tail(const float* x, int R, int64_t H, const float* w, 
     }
 }
 
-// One panel of outputs [o, o + width) for R rows: `width` is the panel's (4 in W's layout, 32 in W^T's)
-// or the last panel's remainder.
+// One panel of outputs [o, o + width) of W's layout for R rows: 4 outputs, or the last panel's rest.
 template <int R>
-INKLING_INLINE void matmul_panel(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
-                                 int64_t o, int64_t width, float* y) {
-  if (w_h == 1) {
-    if (width == 4) {
-      dot_block<R, 4>(x, H, w + o * w_o, w_o, O, y + o);
-    } else {
-      for (int64_t c = o; c < o + width; ++c) dot_block<R, 1>(x, H, w + c * w_o, w_o, O, y + c);
-    }
+INKLING_INLINE void matmul_panel(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t o,
+                                 int64_t width, float* y) {
+  if (width == 4) {
+    dot_block<R, 4>(x, H, w + o * w_o, w_o, O, y + o);
     return;
   }
-  int64_t c = o;
-  if (width == 32) {
-    axpy_block<R, 2>(x, H, w + c, w_h, O, y + c);
-    return;
-  }
-  for (; c + 16 <= o + width; c += 16) axpy_block<R, 1>(x, H, w + c, w_h, O, y + c);
-  if (c < o + width) axpy_tail(x, R, H, w + c, w_h, O, o + width - c, y + c);
+  for (int64_t c = o; c < o + width; ++c) dot_block<R, 1>(x, H, w + c * w_o, w_o, O, y + c);
 }
 
-// W^T layout, more rows than one block: h in slices of kSlice, so that each slice of W^T (one contiguous
+// W^T layout: h in slices of kSlice, so that each slice of W^T (one contiguous
 // run of kSlice * O floats, read from memory once, at stream speed) serves every row block from cache;
 // the partial sums wait in y between slices.
 template <int R>
@@ -618,20 +588,19 @@ INKLING_INLINE void sliced_matmul(const float* x, int64_t n, int64_t H, const fl
     for (int64_t r = 0; r < n; ++r) axpy_tail(x + r * H, 1, H, w + full, w_h, O, O - full, y + r * O + full);
 }
 
-// Output panels outermost: a panel of W (4 rows of it, or 32 columns) comes from memory once and
-// serves every block of rows from cache, so n rows cost one pass over W, not one per block of 4.
+// W's layout: panels of 4 outputs outermost, so that a panel (4 rows of W) comes from memory once and
+// serves every block of rows from cache: n rows cost one pass over W, not one per block of 4.
 INKLING_INLINE void rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
                                 int64_t w_h, float* y) {
   if (w_h != 1) return sliced_matmul(x, n, H, w, O, w_h, y);
-  const int64_t panel = w_h == 1 ? 4 : 32;
-  for (int64_t o = 0; o < O; o += panel) {
-    const int64_t width = std::min(panel, O - o);
+  for (int64_t o = 0; o < O; o += 4) {
+    const int64_t width = std::min<int64_t>(4, O - o);
     int64_t r = 0;
-    for (; r + 4 <= n; r += 4) matmul_panel<4>(x + r * H, H, w, O, w_o, w_h, o, width, y + r * O);
+    for (; r + 4 <= n; r += 4) matmul_panel<4>(x + r * H, H, w, O, w_o, o, width, y + r * O);
     switch (n - r) {
-      case 3: matmul_panel<3>(x + r * H, H, w, O, w_o, w_h, o, width, y + r * O); break;
-      case 2: matmul_panel<2>(x + r * H, H, w, O, w_o, w_h, o, width, y + r * O); break;
-      case 1: matmul_panel<1>(x + r * H, H, w, O, w_o, w_h, o, width, y + r * O); break;
+      case 3: matmul_panel<3>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+      case 2: matmul_panel<2>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+      case 1: matmul_panel<1>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
       default: break;
     }
   }
