@@ -2,9 +2,12 @@
 16 rows; forced here for every row count) against ATen's GEMM (MKL), per weight shape, layout and rows.
 
     OMP_NUM_THREADS=1 python tools/bench_matmul.py [--rows 1 2 4 8 16 32] [--isa avx512|avx2|portable]
+                                                   [--from-memory MB]
 
-Prints microseconds and ours / ATen (below 1.0 = ours is faster). The weights are a few MB, so this
-is the cache-resident rate; `inkling-compiled roofline` measures the step against memory bandwidth.
+Prints microseconds per call, ours / ATen (below 1.0 = ours is faster) and the rate at which our
+kernel reads the weight. By default one weight of a few MB, read from cache; `--from-memory 512`
+cycles through copies of it filling 512 MB, more than the caches hold, so that every call streams
+its weight from memory, as a decode step does.
 """
 
 import argparse
@@ -19,19 +22,23 @@ import torch.nn.functional as F
 SHAPES = [(512, 512), (1024, 512), (512, 1024), (4000, 512)]  # the `small` config's projections and lm_head
 
 
-def timed(fn, n: int = 200) -> float:
-    for _ in range(10):
-        fn()
+def timed(fn, weights: list[torch.Tensor], n: int = 200) -> float:
+    """Microseconds per call of fn(w), cycling through `weights`."""
+    for w in weights[:10]:
+        fn(w)
+    calls = max(n, len(weights))
     t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
+    for i in range(calls):
+        fn(weights[i % len(weights)])
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--isa", choices=["avx512", "avx2", "portable"], help="force the kernel's instruction set")
+    p.add_argument("--from-memory", type=int, default=0, metavar="MB",
+                   help="cycle through copies of each weight filling MB megabytes (0: one weight, in cache)")
     args = p.parse_args()
     if os.environ.get("INKLING_FEW_ROWS") != "1000000":  # both are read once, when the kernels load
         env = {**os.environ, "INKLING_FEW_ROWS": "1000000", **({"INKLING_CPU_ISA": args.isa} if args.isa else {})}
@@ -40,18 +47,22 @@ def main() -> None:
 
     torch.set_num_threads(1)
     print(f"C++ kernel instruction set: {cpu_isa()}")
-    print("| weight [O, H] | layout | rows | ours us | ATen us | ours / ATen |\n|---|---|---|---|---|---|")
+    print(f"weights {'from memory, ' + str(args.from_memory) + ' MB of copies' if args.from_memory else 'in cache'}")
+    print("| weight [O, H] | layout | rows | ours us | ATen us | ours / ATen | ours GB/s |\n|---|---|---|---|---|---|---|")
     for o, h in SHAPES:
         for column_major in (False, True):
-            w = torch.randn(o, h)
+            copies = max(1, (args.from_memory << 20) // (o * h * 4))
+            weights = [torch.randn(o, h) for _ in range(copies)]
             if column_major:
-                w = w.t().contiguous().t()
+                weights = [w.t().contiguous().t() for w in weights]
             for rows in args.rows:
                 x = torch.randn(rows, h)
+                w = weights[0]
                 assert torch.allclose(torch.ops.inkling.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
-                ours, aten = timed(lambda: torch.ops.inkling.linear(x, w)), timed(lambda: F.linear(x, w))
+                ours = timed(lambda w: torch.ops.inkling.linear(x, w), weights)
+                aten = timed(lambda w: F.linear(x, w), weights)
                 print(f"| {o}x{h} | {'W^T' if column_major else 'W'} | {rows} | {ours:.1f} | {aten:.1f} | "
-                      f"{ours / aten:.2f} |")
+                      f"{ours / aten:.2f} | {o * h * 4 / ours / 1e3:.1f} |")
 
 
 if __name__ == "__main__":
