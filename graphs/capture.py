@@ -283,6 +283,9 @@ class CompiledDecoder:
 
     def _replay(self, bucket: int) -> tuple[torch.Tensor, ...]:
         try:
+            if self.packaged:  # runs outside Dynamo: no stance to set, nothing another thread's compile sees
+                with torch.inference_mode():
+                    return self.compiled()
             with _DYNAMO_STATE, torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
                 return self.compiled()
         except RuntimeError as e:
