@@ -153,17 +153,7 @@ class Engine:
                                  guarded_sources=DecodeStep.GUARDED_SOURCES)
             # The decode step saved whole in the compile cache, for later processes to load instead of
             # tracing (graphs/package.py); not under tensor parallelism or with a HiCache barrier.
-            package_key = None
-            if compile_package and ranks is None and not layer_transfer:
-                # Everything the graph holds as a constant: the model and its weights' layout, the dtype,
-                # the page size, the ring's length, each state tensor's per-row shape and the torch state
-                # the steps are pinned to; the pool's sizes are symbols.
-                pool = self.pool
-                package_key = (package.source_hash(sys.modules[__package__], custom_ops, graphs), repr(config),
-                               str(dtype), page_size, pool.ring_size,
-                               [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())],
-                               [(tuple(p.shape), p.stride(), str(p.dtype)) for p in model.parameters()],
-                               [(name, repr(get())) for name, (get, _) in torch_state.SETTINGS.items()])
+            package_key = self._package_key() if compile_package and ranks is None and not layer_transfer else None
             self.decoder = CompiledDecoder(DecodeStep(model, self.backend), self.backend.prepare_padding,
                                            graph_per_bucket=graph_per_bucket, specialize_batch_one=specialize_batch_one,
                                            package_key=package_key, **graph_options)
@@ -379,6 +369,17 @@ class Engine:
         with self._lock:
             self._user_counter = counter
             self.pool.register_layer_transfer_counter(counter)
+
+    def _package_key(self) -> tuple:
+        """Everything the decode graph holds as a constant: our sources, the model and its weights' layout,
+        the dtype, the page size, the ring's length, each state tensor's per-row shape and the torch state
+        the steps are pinned to. The pool's sizes are symbols, so they are not in it."""
+        pool = self.pool
+        return (package.source_hash(sys.modules[__package__], custom_ops, graphs), repr(self.config),
+                str(self.model.lm_head.weight.dtype), pool.page_size, pool.ring_size,
+                [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())],
+                [(tuple(p.shape), p.stride(), str(p.dtype)) for p in self.model.parameters()],
+                [(name, repr(get())) for name, (get, _) in torch_state.SETTINGS.items()])
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of each part of what the engine holds, and how many units of each the pool has."""
