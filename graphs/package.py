@@ -8,14 +8,16 @@ key is the same loads it and runs without tracing anything. The key is the calle
 layout, dtype, pool layout, pinned torch state, sources) plus what this layer knows (torch, Python, the
 C++ wrapper, inductor's instruction set, thread count and configuration), so a changed model, machine,
 torch or option finds no file. Nothing else goes in it: the graph is the same for every pool size and
-batch range (both symbolic), and a packaged step does not guard on which engine it belongs to. Parameters and pool tensors are inputs, read from the live step at every call: nothing of the
-weights is stored.
+batch range (both symbolic), and a packaged step does not guard on which engine it belongs to.
+Parameters and pool tensors are inputs, read from the live step at every call: nothing of the weights
+is stored.
 
-The API is experimental in torch 2.13; two of its gaps are handled here. Guards are rebuilt at load
+The API is experimental in torch 2.13; three of its gaps are handled here. Guards are rebuilt at load
 from tensors that lost Dynamo's dimension marks, so the step's metadata must carry no marks once a
-package is loaded (its slices need them only to be traced: the caller stops marking). And guards
-record the dispatch keys of the mode they were built in, so loading runs under inference mode, as
-every call does. Anything that goes wrong is logged and the step is compiled the usual way.
+package is loaded (its slices need them only to be traced: the caller stops marking). Guards record
+the dispatch keys of the mode they were built in, so loading runs under inference mode, as every call
+does. And torch's loader gives the rebuilt code no globals (`_deserialize` below). Anything that goes
+wrong, a package that refuses its first inputs included, is logged and the step is traced instead.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import torch
 
 from .backend import StepBackend
 from .cache import StatePool
+from .cache.pool import each_layer
 from .cache.budget import UnitCosts, split_budget
 from .cache.host_tier import HostLoad, Loads
 from .cache.prefix import Hit, PrefixCache
@@ -390,9 +391,9 @@ class Engine:
 
         return {
             "weights": size(self.model.parameters()),
-            "slot conv windows": size(t for layers in pool.conv.values() for t in layers),
-            "slot sliding rings": size(t for layers in pool.sliding_kv for t in layers),
-            "KV pages": size(t for layers in pool.global_kv for t in layers),
+            "slot conv windows": size(each_layer(pool.conv.values())),
+            "slot sliding rings": size(each_layer(pool.sliding_kv)),
+            "KV pages": size(each_layer(pool.global_kv)),
             "prefix checkpoints": size([*pool.conv_checkpoints.values(), *pool.ring_checkpoints]),
             "draft windows": size(pool.draft_windows()),
             "drafter state": size(self.drafter.state_tensors()) if self.drafter is not None else 0,

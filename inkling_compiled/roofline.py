@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from .cache.pool import each_layer
+
 STREAM_BYTES = 512 * 2**20  # far past the last-level cache
 GEMM_SIZE = 1024
 
@@ -64,9 +66,9 @@ def step_cost(model, pool, batch: int, context: int) -> dict:
             weight_bytes += nbytes
             if p.dim() >= 2:
                 flops_per_token += 2 * p.numel()
-    per_row_state = sum(2 * t[0].numel() * t.element_size() for layers in pool.conv.values() for t in layers)  # r + w
-    kv_rows = sum(min(context, pool.ring_size) * t[0].numel() * t.element_size() for layers in pool.sliding_kv for t in layers)
-    kv_rows += sum(context * t[0].numel() * t.element_size() for layers in pool.global_kv for t in layers)
+    per_row_state = sum(2 * t[0].numel() * t.element_size() for t in each_layer(pool.conv.values()))  # r + w
+    kv_rows = sum(min(context, pool.ring_size) * t[0].numel() * t.element_size() for t in each_layer(pool.sliding_kv))
+    kv_rows += sum(context * t[0].numel() * t.element_size() for t in each_layer(pool.global_kv))
     return {"bytes": weight_bytes + batch * (per_row_state + kv_rows), "flops": batch * flops_per_token,
             "experts_reached": reached}
 

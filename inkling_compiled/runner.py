@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .backend import StepBackend
+from .cache.pool import each_layer
 from .graphs.capture import INSTANCE_SOURCE
 from .metadata import StepMetadata
 from .model import InklingForCausalLM
@@ -214,7 +215,7 @@ class EagerRunner:
         with nvtx_range("commit conv windows"):
             # The op takes stacked [L, ...] tensors per stream; the pool's are per layer, one L=1 view each.
             torch.ops.inkling.commit_conv_windows(
-                [t[None] for layers in pool.conv.values() for t in layers], [w[None] for w in pool.draft_windows()],
+                [t[None] for t in each_layer(pool.conv.values())], [w[None] for w in pool.draft_windows()],
                 torch.tensor(slots, dtype=torch.int32).to(steps.device, non_blocking=True), steps[:len(slots)])
 
     def _verify_chunk(self, reqs, drafts) -> VerifyOutput:

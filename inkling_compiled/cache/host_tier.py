@@ -18,7 +18,7 @@ import threading
 import torch
 
 from ..streams import MODEL_STREAMS
-from .pool import StatePool
+from .pool import StatePool, each_layer
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ def host_nbytes(pool: StatePool, page: int | None, checkpoint: int | None) -> in
     ps, R = pool.page_size, pool.ring_size
     size = 0
     if page is not None:
-        size += sum(t[:ps].numel() * t.element_size() for layers in pool.global_kv for t in layers)
+        size += sum(t[:ps].numel() * t.element_size() for t in each_layer(pool.global_kv))
     if checkpoint is not None:
         size += sum(t[:, 0].numel() * t.element_size() for t in pool.conv_checkpoints.values())
         size += sum(t[:, :R].numel() * t.element_size() for t in pool.ring_checkpoints)

@@ -33,6 +33,12 @@ from .allocator import IndexAllocator
 LayerTransferCounter = barrier.LayerTransferCounter
 
 
+def each_layer(*groups) -> list[torch.Tensor]:
+    """The tensors of groups of per-layer lists, one per layer (`each_layer(pool.conv.values())`: every
+    conv stream's; `each_layer(pool.global_kv)`: every global layer's k, then v)."""
+    return [t for group in groups for layers in group for t in layers]
+
+
 def _mark_size(t: torch.Tensor, dim: int, shape_id: str) -> None:
     # Unbacked, since only those take a shape id; Dynamo never specialises them (a size of 1 included).
     try:
@@ -109,10 +115,9 @@ class StatePool:
         `max_model_len`. Per-layer widths, the window and the ring's length per slot stay static.
         Tensors of one kind share one symbol (`shape_id`): the compiled step takes each symbol's value
         as an argument at every call, one per symbol, not one per tensor."""
-        slots = [*self.conv.values(), *self.intermediate_conv_window.values()]
-        for name, tensors in (("pool slots", [t for layers in slots for t in layers] + [self.block_table]),
-                              ("pool ring rows", [t for layers in self.sliding_kv for t in layers]),
-                              ("pool page rows", [t for layers in self.global_kv for t in layers])):
+        slots = each_layer(self.conv.values(), self.intermediate_conv_window.values()) + [self.block_table]
+        for name, tensors in (("pool slots", slots), ("pool ring rows", each_layer(self.sliding_kv)),
+                              ("pool page rows", each_layer(self.global_kv))):
             for t in tensors:
                 _mark_size(t, 0, name)
         _mark_size(self.block_table, 1, "pool pages per slot")
@@ -164,13 +169,11 @@ class StatePool:
         row.zero_()
         row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
         self.block_table[slot].copy_(row)
-        for layers in self.conv.values():
-            for t in layers:
-                t[slot].zero_()
+        for t in each_layer(self.conv.values()):
+            t[slot].zero_()
         R = self.ring_size
-        for layers in self.sliding_kv:
-            for t in layers:
-                t[slot * R:(slot + 1) * R].zero_()
+        for t in each_layer(self.sliding_kv):
+            t[slot * R:(slot + 1) * R].zero_()
 
     def clear_block_row(self, slot: int) -> None:
         self._record("clear_block_row", slot)
@@ -234,11 +237,11 @@ class StatePool:
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors decode steps write, one per layer: every conv stream's and every K/V cache's
         (what a copy must never touch)."""
-        return [t for layers in (*self.conv.values(), *self.global_kv, *self.sliding_kv) for t in layers]
+        return each_layer(self.conv.values(), self.global_kv, self.sliding_kv)
 
     def draft_windows(self) -> list[torch.Tensor]:
         """Every (stream, layer)'s per-draft-token windows of speculative verification, one per layer."""
-        return [t for layers in self.intermediate_conv_window.values() for t in layers]
+        return each_layer(self.intermediate_conv_window.values())
 
     def static_tensors(self) -> list[torch.Tensor]:
         """Every tensor a step may read or write: the state tensors, the draft windows, the block table."""
