@@ -1,4 +1,4 @@
-"""The compiled decode step, over the step's static buffers: one graph serves every batch bucket.
+"""The compiled step (decode, or verify), over the step's static buffers: one graph serves every batch bucket.
 
 The whole step (embedding, every layer, final norm, lm_head, sampling and logprobs) is
 `torch.compile(fullgraph=True, dynamic=False)`: a graph break is an error. The batch dimension is
@@ -87,8 +87,33 @@ def default_compile_cache_dir() -> Path:
     return default_cache_dir() / "inductor"
 
 
-class CompiledDecoder:
-    """The decode step compiled for a set of batch buckets; `run(bucket)` replays one.
+class Buckets:
+    """The batch sizes compiled steps replay at, and the one place a batch's bucket is chosen (None:
+    eager, any size, unpadded). A batch larger than the largest bucket is split first (`split`)."""
+
+    def __init__(self, sizes: tuple[int, ...] | None):
+        self.sizes = sizes
+
+    @property
+    def largest(self) -> int | None:
+        return self.sizes[-1] if self.sizes else None
+
+    def bucket_for(self, rows: int) -> int | None:
+        if self.sizes is None:
+            return None
+        for b in self.sizes:
+            if b >= rows:
+                return b
+        raise ValueError(f"{rows} rows exceed the largest bucket {self.largest}; split the batch first")
+
+    def split(self, batch: list) -> list[list]:
+        """The batch in pieces of at most the largest bucket (one piece when eager)."""
+        size = self.largest or max(len(batch), 1)
+        return [batch[i:i + size] for i in range(0, len(batch), size)]
+
+
+class CompiledStep:
+    """A step (decode or verify) compiled for a set of batch buckets; `run(bucket)` replays one.
 
     By default the batch dimension is symbolic and one graph serves every bucket: whoever prepares the
     step's metadata marks its slices for the batch sizes in `symbolic_batch` (see
@@ -176,10 +201,7 @@ class CompiledDecoder:
         return [tuple(served[g]) for g in sorted(served)]
 
     def bucket_for(self, rows: int) -> int:
-        for b in self.buckets:
-            if b >= rows:
-                return b
-        raise ValueError(f"{rows} rows exceed the largest bucket {self.largest}; split the batch first")
+        return Buckets(self.buckets).bucket_for(rows)
 
     def load_package(self) -> bool:
         """Loads the step saved by an earlier process with the same key, if there is one. When it returns

@@ -136,7 +136,7 @@ def aten_counts(graph_text: str) -> dict[str, int]:
 
 
 class GraphDump:
-    """Records what a `CompiledDecoder` compiles, bucket by bucket, and writes the dump.
+    """Records what a `CompiledStep` compiles, bucket by bucket, and writes the dump.
 
     Build the decoder with `compile_backend=dump.recorder` and warmup=False, then call `write`.
     """

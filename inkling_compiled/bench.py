@@ -21,7 +21,7 @@ import torch
 
 from .engine import Engine
 from .sampling import SamplingParams
-from .speculative import Drafter
+from .spec import Drafter
 from .tiny import TINY_CONFIGS, build_tiny_checkpoint
 
 REPEATS = 3
@@ -39,7 +39,7 @@ def bench_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> d
         for p in prompts:
             engine.add_request(p, params)
         produced = {o.request_id: len(o.token_ids) for o in engine.step()}  # prefill + first tokens, untimed
-        while engine.waiting or engine.prefilling:  # a prefill over several steps too
+        while (now := engine.snapshot())["waiting"] or now["prefilling"]:  # a prefill over several steps too
             produced.update((o.request_id, len(o.token_ids)) for o in engine.step())
         tokens = len(prompts) * new_tokens - sum(produced.values())  # the timed steps' tokens
         steps, t0 = 0, time.perf_counter()
@@ -239,8 +239,8 @@ def compile_times(config: str, max_batch_size: int = 32) -> dict:
                       f"e = Engine.from_pretrained(sys.argv[1], max_batch_size={max_batch_size}, progress=False, "
                       f"compile_package={packaged}); "
                       "ready = time.perf_counter() - t; e.generate([3, 4, 5]); "
-                      "print(json.dumps({'buckets': e.decoder.compile_seconds, 'graphs': e.decoder.graphs(), "
-                      "'packaged': e.decoder.packaged, 'total_s': ready, "
+                      "print(json.dumps({'buckets': e.worker.decoder.compile_seconds, 'graphs': e.worker.decoder.graphs(), "
+                      "'packaged': e.worker.decoder.packaged, 'total_s': ready, "
                       "'first_token_s': time.perf_counter() - t}))")
             run = subprocess.run([sys.executable, "-c", script, str(ckpt)], env=env, capture_output=True, text=True,
                                  check=True)

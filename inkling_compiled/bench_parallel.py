@@ -27,7 +27,7 @@ def step_split(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dic
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
-    while engine.waiting or engine.prefilling:  # prefill outside the profile
+    while (now := engine.snapshot())["waiting"] or now["prefilling"]:  # prefill outside the profile
         engine.step()
     steps = 0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

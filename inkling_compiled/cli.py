@@ -86,8 +86,8 @@ def _demo(args: argparse.Namespace) -> int:
     with engine:
         outs, seconds = _run_engine(engine, DEMO_PROMPTS, params, show_progress=False)
     print(f"checkpoint: {path} (random weights: the text is noise by design)")
-    if engine.decoder is not None:
-        warm = ", ".join(f"bucket {b}: {t:.1f} s" for b, t in engine.decoder.compile_seconds.items())
+    if engine.worker.decoder is not None:
+        warm = ", ".join(f"bucket {b}: {t:.1f} s" for b, t in engine.worker.decoder.compile_seconds.items())
         print(f"compiled decode graphs ({args.compile_backend}): {warm}")
     ranks = f", {args.tensor_parallel_size} tensor-parallel ranks" if args.tensor_parallel_size > 1 else ""
     print(f"{len(DEMO_PROMPTS)} prompts in one continuous batch, compile={args.compile}{ranks}")
@@ -121,8 +121,8 @@ def _generate(args: argparse.Namespace) -> int:
     # on first use.
     engine = Engine.from_pretrained(args.model, warmup=False, progress=not args.quiet, **_engine_args(args))
     with engine:
-        if engine.decoder is not None:
-            engine.warm_up([engine.decoder.bucket_for(min(len(prompts), engine.decoder.largest))])
+        if engine.worker.decoder is not None:
+            engine.warm_up([engine.worker.decoder.bucket_for(min(len(prompts), engine.worker.decoder.largest))])
         outs, seconds = _run_engine(engine, prompts, params, show_progress=not args.quiet)
     for out in outs:
         print(printable(out.text) if out.text is not None and not args.token_ids else out.token_ids)

@@ -14,6 +14,7 @@ and keeps none.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -26,6 +27,7 @@ from .kv_layout import page_location, ring_location
 from .custom_ops.reference import packed_causal_conv
 from .metadata import StepMetadata
 from .nvtx import nvtx_range
+from .step_plan import Checkpoint
 from .streams import STREAM_NAMES
 
 
@@ -56,11 +58,18 @@ class PoolContext:
 
     def __init__(self, pool: StatePool, config: InklingConfig, metadata: StepMetadata):
         self.pool, self.config, self.metadata = pool, config, metadata
-        # Set for an eager prefill step by whoever schedules it, all known on the host: (row, packed start
-        # of the row's chunk, position of its first token, boundary position, checkpoint index) of each
-        # prefix-cache checkpoint to take, the row's state as it stands at the boundary.
-        self.checkpoints: list[tuple[int, int, int, int, int]] = []
+        # The prefix-cache checkpoints the extend step being run takes (its plan's), only while it runs.
+        self.checkpoints: list[Checkpoint] = []
         self._conv_range_names = [[f"layer {i} sconv {s}" for s in STREAM_NAMES] for i in range(config.num_hidden_layers)]
+
+    @contextlib.contextmanager
+    def taking_checkpoints(self, checkpoints: list[Checkpoint]):
+        """For the extend forward run inside: each checkpoint's row state is saved at its boundary."""
+        self.checkpoints = checkpoints
+        try:
+            yield
+        finally:
+            self.checkpoints = []
 
     # ---- pool reads: one slice each, resolved per call ---------------------------------------------
 
@@ -109,10 +118,10 @@ class PoolContext:
         before its boundary, out of the row's window before the step (`before`) and its chunk."""
         K = self.config.conv_kernel_size
         name, index = self.pool.layer_index(layer_id, stream)
-        for row, start, first, boundary, checkpoint in self.checkpoints:
+        for c in self.checkpoints:
             # the window before the chunk (positions first-K+1 .. first-1), then the chunk's inputs
-            inputs = torch.cat([before[row], x32[start:start + boundary - first]])
-            self.pool.conv_checkpoints[name][index, checkpoint] = inputs[boundary - first:boundary - first + K - 1]
+            inputs = torch.cat([before[c.row], x32[c.packed_start:c.packed_start + c.boundary - c.first]])
+            self.pool.conv_checkpoints[name][index, c.index] = inputs[c.boundary - c.first:c.boundary - c.first + K - 1]
 
     def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
         md = self.metadata
@@ -168,12 +177,12 @@ class PoolContext:
         W, R = self.config.sliding_window_size, self.pool.ring_size
         _, index = self.pool.streams.kv_locate(layer_id)
         for ring, source in zip(self.pool.ring_checkpoints, (keys, values)):
-            for r, _, _, boundary, checkpoint in self.checkpoints:
-                if r != row:
+            for c in self.checkpoints:
+                if c.row != row:
                     continue
-                saved = ring[index, checkpoint * R:(checkpoint + 1) * R]
+                saved = ring[index, c.index * R:(c.index + 1) * R]
                 saved.zero_()
-                p = torch.arange(max(0, boundary - W), boundary, device=saved.device)
+                p = torch.arange(max(0, c.boundary - W), c.boundary, device=saved.device)
                 saved[p % R] = source[p - first_key]
 
     def _cached_keys(self, g: LayerGeometry, k_cache, v_cache, slot: int, first: int):

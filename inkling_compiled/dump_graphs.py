@@ -21,7 +21,7 @@ def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[in
         engine = Engine.from_pretrained(model_dir, device=device, compile=True, compile_backend=dump.recorder,
                                         warmup=False, progress=False, buckets=buckets,
                                         max_batch_size=max(buckets) if buckets else 32, cpp_wrapper=False)
-        return dump.write(engine.decoder, out_dir, state_tensors=engine.pool.state_tensors(), model=str(model_dir),
+        return dump.write(engine.worker.decoder, out_dir, state_tensors=engine.worker.pool.state_tensors(), model=str(model_dir),
                           device=device, steps=steps)
     finally:
         torch._dynamo.reset()

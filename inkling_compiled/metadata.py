@@ -18,6 +18,7 @@ import torch
 
 from .config import InklingConfig
 from .kv_layout import page_location, ring_location
+from .static import mark_static
 
 
 class PerRow(NamedTuple):
@@ -85,13 +86,6 @@ def _mark_unbacked(view: torch.Tensor, shape_id: str) -> None:
         torch._dynamo.decorators.mark_unbacked(view, 0, shape_id=shape_id)
     except TypeError:  # a torch without shape ids (before 2.13): one symbol per slice
         torch._dynamo.decorators.mark_unbacked(view, 0)
-
-
-def mark_static(tensor: torch.Tensor) -> torch.Tensor:
-    """Tells Dynamo (and so CUDA graphs) that the tensor lives at one address for good: a graph reads it
-    in place instead of copying it into a graph-owned input at every replay."""
-    torch._dynamo.mark_static_address(tensor, guard=False)
-    return tensor
 
 
 _ALIGN = 16  # bytes: every field starts aligned for its dtype (and for vector loads)

@@ -44,12 +44,12 @@ def run_workload(engine, batch: int, steps: int, prompt_len: int = 32) -> None:
 
 def census_labels(engine, bucket: int) -> list[tuple[str, int | None, str | None]]:
     """(op, layer, stream) of each custom-op call of the bucket's decode graph, in graph order."""
-    from .graphs import CompiledDecoder, GraphRecorder, census
+    from .graphs import CompiledStep, GraphRecorder, census
     from .runner import DecodeStep
 
     # A second, eager-backend trace of the same step: cheap, and it leaves the engine's graphs alone.
     recorder = GraphRecorder("eager")
-    probe = CompiledDecoder(DecodeStep(engine.model, engine.backend), engine.backend.prepare_padding,
+    probe = CompiledStep(DecodeStep(engine.model, engine.worker.backend), engine.worker.backend.prepare_padding,
                             device=engine.device, buckets=(bucket,), compile_backend=recorder)
     probe.warm_bucket(bucket)
     return [(c["op"], c["layer"], c["stream"]) for c in census(recorder.graphs[0])["custom_calls"]]
@@ -142,7 +142,7 @@ def profile(engine, out: Path, *, batch: int, steps: int) -> dict:
     from torch.profiler import profile as torch_profile
 
     out.mkdir(parents=True, exist_ok=True)
-    labels = census_labels(engine, engine.decoder.bucket_for(batch)) if engine.decoder is not None else []
+    labels = census_labels(engine, engine.worker.decoder.bucket_for(batch)) if engine.worker.decoder is not None else []
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     profile_ranges(True)
     try:
@@ -157,7 +157,7 @@ def profile(engine, out: Path, *, batch: int, steps: int) -> dict:
     trace["traceEvents"] = label_trace(trace["traceEvents"], labels)
     (out / "trace.json").write_text(json.dumps(trace))
     summary = summarize(trace["traceEvents"])
-    summary.update(batch=batch, steps=steps, compiled=engine.decoder is not None)
+    summary.update(batch=batch, steps=steps, compiled=engine.worker.decoder is not None)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["png"] = plot_summary(summary, out / "summary.png")
     return summary

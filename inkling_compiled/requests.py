@@ -19,23 +19,91 @@ from .errors import RequestError
 from .metadata import RowSampling
 from .sampling import SamplingParams, seed_key
 
-@dataclasses.dataclass
 class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str | None  # "length" | "stop" | "abort" | "error" once finished
-    text: str | None = None
-    error: str | None = None  # why, when finish_reason == "error"
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)
-    spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding)
-    spec_accepted: int = 0  # of those, the ones the target accepted
+    """What one step (or `generate`) hands back for a request.
+
+    `new_token_ids` / `new_logprobs` / `new_top_logprobs` / `new_text` are what this output adds since the
+    request's previous one (the text decoded incrementally, once per request). The cumulative fields
+    (`token_ids`, `logprobs`, `top_logprobs`, `text`) are read from the request's own append-only lists
+    when asked for, cut at this output: making an output costs the same at the 2,000th token as at the
+    first."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "finish_reason", "error", "cached_tokens", "spec_proposed",
+                 "spec_accepted", "new_text", "_req", "_start", "_end", "_tokenizer", "_text")
+
+    def __init__(self, req: "Request", start: int, new_text: str | None, tokenizer):
+        self.request_id, self.prompt_token_ids = req.request_id, req.prompt
+        self.finish_reason, self.error = req.finish_reason, req.error  # "length" | "stop" | "abort" | "error"
+        self.cached_tokens = req.cached_tokens  # prompt tokens served from the prefix cache (not prefilled)
+        self.spec_proposed, self.spec_accepted = req.spec_proposed, req.spec_accepted  # drafts proposed / accepted
+        self.new_text = new_text
+        self._req, self._start, self._end, self._tokenizer = req, start, len(req.output), tokenizer
+        self._text: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._req.output[:self._end]
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self._req.output[self._start:self._end]
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self._req.logprobs[:self._end] if self._req.params.logprobs else None
+
+    @property
+    def new_logprobs(self) -> list[float] | None:
+        return self._req.logprobs[self._start:self._end] if self._req.params.logprobs else None
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        return self._req.top_logprobs[:self._end] if self._req.params.top_logprobs else None
+
+    @property
+    def new_top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        return self._req.top_logprobs[self._start:self._end] if self._req.params.top_logprobs else None
+
+    @property
+    def text(self) -> str | None:
+        """The whole text so far (decoded once, when first read), when the checkpoint has a tokenizer."""
+        if self._tokenizer is None:
+            return None
+        if self._text is None:
+            self._text = self._tokenizer.decode(self.token_ids)
+        return self._text
+
+    def __eq__(self, other) -> bool:
+        fields = ("request_id", "prompt_token_ids", "token_ids", "logprobs", "top_logprobs", "finish_reason", "text",
+                  "error", "cached_tokens", "spec_proposed", "spec_accepted")
+        return isinstance(other, RequestOutput) and all(getattr(self, f) == getattr(other, f) for f in fields)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids!r}, "
+                f"finish_reason={self.finish_reason!r}, text={self.text!r})")
+
+
+class IncrementalText:
+    """A request's text as its tokens arrive: each call decodes only a short window of recent tokens and
+    returns the characters they complete (a character still missing bytes waits for the next token)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.prefix = self.read = 0  # tokens[prefix:read] are the window's already-returned context
+
+    def advance(self, tokens: list[int]) -> str:
+        before = self.tokenizer.decode(tokens[self.prefix:self.read])
+        now = self.tokenizer.decode(tokens[self.prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(tokens)
+        return now[len(before):]
 
 
 @dataclasses.dataclass(eq=False)  # a request is itself: compared by identity
@@ -58,6 +126,8 @@ class Request:
     drafted: int = 0  # real drafts in its row of the current verify step (the rest are stand-ins)
     spec_proposed: int = 0
     spec_accepted: int = 0
+    reported: int = 0  # output tokens an earlier RequestOutput already carried
+    text: IncrementalText | None = None
 
     def __post_init__(self):
         self.seed_key = seed_key(self.seed)
@@ -73,6 +143,30 @@ class Request:
 
     def fail(self, message: str) -> None:
         self.finish_reason, self.error = "error", message
+
+    def append(self, tok: int, chosen: float, top_ids: list[int], top_vals: list[float]) -> None:
+        """One generated token; finishes the request on a stop token or at its length."""
+        self.output.append(tok)
+        if self.params.logprobs:
+            self.logprobs.append(chosen)
+        n = self.params.top_logprobs
+        if n:
+            self.top_logprobs.append(list(zip(top_ids[:n], top_vals[:n])))
+        if tok in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.params.max_new_tokens or len(self.prompt) + len(self.output) >= self.budget:
+            self.finish_reason = "length"
+
+    def output_since_reported(self, tokenizer) -> RequestOutput:
+        """Its output now, carrying the tokens (and text) since the previous one."""
+        new_text = None
+        if tokenizer is not None:
+            if self.text is None:
+                self.text = IncrementalText(tokenizer)
+            new_text = self.text.advance(self.output) if len(self.output) > self.reported else ""
+        out = RequestOutput(self, self.reported, new_text, tokenizer)
+        self.reported = len(self.output)
+        return out
 
 
 def _describe(value) -> str:

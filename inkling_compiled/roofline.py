@@ -90,7 +90,7 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
         engine = Engine.from_pretrained(path, max_batch_size=max(batches), progress=False,
                                         prefill_chunk_tokens=max(batches) * prompt_len)
         for batch in batches:
-            cost = step_cost(engine.model, engine.pool, batch, prompt_len + new_tokens // 2)  # mean context
+            cost = step_cost(engine.model, engine.worker.pool, batch, prompt_len + new_tokens // 2)  # mean context
             floor_s = max(cost["bytes"] / bandwidth, cost["flops"] / matmul)
             achieved = bench_engine(engine, _prompts(batch, prompt_len, seed=batch), new_tokens)
             rows.append({"config": config_name, "batch": batch, "bound": "memory" if cost["bytes"] / bandwidth >=

@@ -1,4 +1,6 @@
-"""Runs one prepared step of the model: forward, lm_head on each row's last token, sampling."""
+"""Runs one planned forward of the model: the step buffers prepared from a `StepPlan`, the step its kind
+names (compiled, or eager), lm_head on each row's last token, sampling; a verify step's accepted conv
+windows committed after it."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from .metadata import StepMetadata
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
 from .sampling import MAX_TOP_LOGPROBS, sample, verify_drafts
+from .step_plan import Sampled, StepKind, StepPlan
 
 
 class StepOutput(msgspec.Struct):
@@ -36,6 +39,12 @@ class StepOutput(msgspec.Struct):
             parts = [host[:, :1].long(), host[:, 1:2].float(), host[:, 2:2 + top_n].long(), host[:, 2 + top_n:].float()]
         tokens, chosen, top_ids, top_vals = (p.tolist() for p in parts)
         return [t for (t,) in tokens], [c for (c,) in chosen], top_ids, top_vals
+
+    def sampled(self, top_n: int) -> Sampled:
+        """The host form the scheduler reads: one token per row."""
+        tokens, chosen, top_ids, top_vals = self.to_host(top_n)
+        return Sampled(tokens=[[t] for t in tokens], logprobs=[[c] for c in chosen], top_ids=[[t] for t in top_ids],
+                       top_logprobs=[[v] for v in top_vals])
 
 
 class VerifyOutput(msgspec.Struct):
@@ -60,6 +69,17 @@ class VerifyOutput(msgspec.Struct):
         accepted = tokens[T_d::per_row]
         keep = [i for i in range(len(tokens)) if i % per_row != T_d]
         return accepted, StepOutput(*([seq[i] for i in keep] for seq in (tokens, chosen, top_ids, top_vals)))
+
+    def sampled(self, top_n: int) -> Sampled:
+        """The host form the scheduler reads: each row's K+1 candidates and how many drafts it accepted."""
+        accepted, flat = self.to_host(top_n)
+        T_d = self.tokens.shape[1]
+
+        def rows(seq: list) -> list[list]:
+            return [seq[i:i + T_d] for i in range(0, len(seq), T_d)]
+
+        return Sampled(tokens=rows(flat.tokens), logprobs=rows(flat.chosen_logprobs), top_ids=rows(flat.top_ids),
+                       top_logprobs=rows(flat.top_logprobs), accepted=accepted)
 
 
 def _top(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -134,122 +154,60 @@ class VerifyStep(nn.Module):
         return verify_step(self.model, self.backend, self.with_hidden)
 
 
-class EagerRunner:
-    """The reference path: every step runs eagerly, unpadded.
+class Runner:
+    """One runner for every step kind: `steps` maps a kind to its compiled step, or to None (eager).
+    Extend steps run eagerly (their token count varies); decode and verify replay their compiled step at
+    the plan's bucket when there is one. Rows past the plan's are padding: they write only the dummies."""
 
-    Every forward goes through `_launch(kind, bucket)` once its buffers are prepared: under tensor
-    parallelism the scheduling rank's `mirror` sends the step to the other ranks there, and they run the
-    same `replay(kind, bucket)` on their shards."""
+    def __init__(self, model: InklingForCausalLM, backend: StepBackend, steps: dict[StepKind, object | None],
+                 with_hidden: bool = False):
+        self.model, self.backend, self.steps = model, backend, steps
+        self.with_hidden = with_hidden  # whether extend and verify steps hand back hidden states (for a drafter)
 
-    mirror = None  # a parallel.StepMirror on the scheduling rank of a tensor-parallel engine
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepOutput | VerifyOutput:
+        """The plan's forward; outputs cut to its rows."""
+        self.prepare(plan)
+        compiled = self.steps.get(plan.kind)
+        if compiled is not None:
+            self._wait_for_transfers()
+        with nvtx_range(self._range_name(plan, compiled is not None)):
+            out = compiled.run(plan.bucket) if compiled is not None else self._eager(plan.kind)
+        if plan.kind is StepKind.EXTEND:
+            return StepOutput(*out)
+        if plan.kind is StepKind.DECODE:
+            return StepOutput(*(t[:plan.rows] for t in out))
+        out = VerifyOutput(*(t[:plan.rows] for t in out))
+        self.commit(plan.slots, out.accepted)  # before the next verify overwrites the saved windows
+        return out
 
-    def __init__(self, model: InklingForCausalLM, backend: StepBackend):
-        self.model, self.backend = model, backend
+    @staticmethod
+    def _range_name(plan: StepPlan, compiled: bool) -> str:
+        """The NVTX range of the forward (`profile.py` finds decode replays by theirs)."""
+        if plan.kind is StepKind.EXTEND:
+            return f"prefill {plan.rows} rows, {sum(len(t) for t in plan.tokens)} tokens"
+        if not compiled:
+            return f"{plan.kind.value} {plan.rows} rows (eager)"
+        prefix = "replay" if plan.kind is StepKind.DECODE else "verify replay"
+        return f"{prefix} bucket {plan.bucket} ({plan.rows} rows)"
 
-    def _forward(self, kind: str, bucket: int | None) -> tuple[torch.Tensor, ...]:
-        if kind == "prefill":
-            return forward_step(self.model, self.backend, self.with_hidden)
-        if kind == "decode":
-            return forward_step(self.model, self.backend)
-        if kind == "verify":
+    def prepare(self, plan: StepPlan) -> None:
+        """The step buffers filled from the plan (and the metadata pointed at them)."""
+        buffers = self.backend.buffers
+        with nvtx_range(f"prepare {plan.kind.value}"):
+            if plan.kind is StepKind.DECODE:
+                buffers.prepare_decode([t[0] for t in plan.tokens], plan.slots, plan.starts, plan.sampling,
+                                       pad_to=plan.bucket)
+            elif plan.kind is StepKind.VERIFY:
+                buffers.prepare_verify(plan.tokens, plan.slots, plan.starts, plan.limits, plan.drafted, plan.sampling,
+                                       pad_to=plan.bucket)
+            else:
+                buffers.prepare_extend(plan.tokens, plan.starts, plan.slots, plan.sampling)
+
+    def _eager(self, kind: StepKind) -> tuple[torch.Tensor, ...]:
+        if kind is StepKind.VERIFY:
             return verify_step(self.model, self.backend, self.with_hidden)
-        raise ValueError(f"unknown forward {kind!r}")
-
-    def _launch(self, kind: str, bucket: int | None = None, slots: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-        if self.mirror is None:
-            return self._forward(kind, bucket)
-        self.mirror.publish(kind, bucket, slots)
-        out = self._forward(kind, bucket)
-        self.mirror.in_step = False
-        return out
-
-    @torch.inference_mode()
-    def replay(self, kind: str, bucket: int | None, slots: list[int] | None) -> None:
-        """What another rank runs for a forward the scheduling rank launched (its buffers already loaded);
-        a verify step commits the windows its own acceptance picks, which is every rank's."""
-        out = self._forward(kind, bucket)
-        if kind == "verify":
-            self.commit(slots, out[1])
-
-    @torch.inference_mode()
-    def prefill(self, reqs, lengths: list[int]) -> StepOutput:
-        """The next `lengths[i]` prompt tokens of each request, continuing what is prefilled already; a
-        row's sampled token means something only where its chunk ends the prompt."""
-        with nvtx_range("prepare prefill"):
-            self.backend.prepare_extend([r.prompt[r.prefilled:r.prefilled + n] for r, n in zip(reqs, lengths)],
-                                        [r.prefilled for r in reqs],
-                                        [self.backend.pool.slot_of[r.request_id] for r in reqs],
-                                        [r.sampling_row() for r in reqs])
-        with nvtx_range(f"prefill {len(reqs)} rows, {sum(lengths)} tokens"):
-            return StepOutput(*self._launch("prefill"))
-
-    def _prepare_decode(self, reqs, pad_to: int | None = None) -> None:
-        slot_of = self.backend.pool.slot_of
-        with nvtx_range("prepare decode"):
-            self.backend.prepare_decode([r.output[-1] for r in reqs], [slot_of[r.request_id] for r in reqs],
-                                        [r.cached_len for r in reqs], [r.sampling_row() for r in reqs], pad_to=pad_to)
-
-    @torch.inference_mode()
-    def decode(self, reqs) -> StepOutput:
-        self._prepare_decode(reqs)
-        with nvtx_range(f"decode {len(reqs)} rows (eager)"):
-            return StepOutput(*self._launch("decode"))
-
-    # ---- speculative decoding ------------------------------------------------------------------------
-
-    with_hidden = False  # whether verify steps hand back hidden states (a drafter that reads them)
-
-    def _prepare_verify(self, reqs, drafts: list[list[int]], pad_to: int | None = None) -> list[int]:
-        slots = [self.backend.pool.slot_of[r.request_id] for r in reqs]
-        with nvtx_range("prepare verify"):
-            self.backend.prepare_verify([[r.output[-1], *d] for r, d in zip(reqs, drafts)], slots,
-                                        [r.cached_len for r in reqs], [r.budget for r in reqs],
-                                        [r.drafted for r in reqs], [r.sampling_row() for r in reqs], pad_to=pad_to)
-        return slots
-
-    def commit(self, slots: list[int], steps: torch.Tensor) -> None:
-        """Each verify row's slot takes the conv windows saved after its last accepted token (`steps`,
-        the accepted counts). Slot ids come from the caller's verify batch, never from the step buffers,
-        which the next prep may already have refilled."""
-        pool = self.backend.pool
-        with nvtx_range("commit conv windows"):
-            # The op takes stacked [L, ...] tensors per stream; the pool's are per layer, one L=1 view each.
-            torch.ops.inkling.commit_conv_windows(
-                [t[None] for t in each_layer(pool.conv.values())], [w[None] for w in pool.draft_windows()],
-                torch.tensor(slots, dtype=torch.int32).to(steps.device, non_blocking=True), steps[:len(slots)])
-
-    def _verify_chunk(self, reqs, drafts) -> VerifyOutput:
-        bucket = self._verify_bucket(len(reqs))
-        slots = self._prepare_verify(reqs, drafts, pad_to=bucket)
-        out = VerifyOutput(*(t[:len(reqs)] for t in self._launch("verify", bucket, slots)))
-        self.commit(slots, out.accepted)  # before the next chunk's verify overwrites the saved windows
-        return out
-
-    def _verify_bucket(self, rows: int) -> int | None:
-        return None
-
-    @torch.inference_mode()
-    def verify(self, reqs, drafts: list[list[int]]) -> VerifyOutput:
-        """Checks `drafts[i]` (K tokens) after each request's newest token, commits what is accepted."""
-        with nvtx_range(f"verify {len(reqs)} rows (eager)"):
-            return self._verify_chunk(reqs, drafts)
-
-
-class CompiledRunner(EagerRunner):
-    """Decode through the compiled graph(s), one bucket per replay; prefill stays eager (its shapes vary)."""
-
-    def __init__(self, model: InklingForCausalLM, backend: StepBackend, decoder, verifier=None):
-        super().__init__(model, backend)
-        self.decoder, self.verifier = decoder, verifier
-        if verifier is not None:
-            self.with_hidden = verifier.step.with_hidden
-
-    def _forward(self, kind: str, bucket: int | None) -> tuple[torch.Tensor, ...]:
-        if kind == "decode":
-            return self.decoder.run(bucket)
-        if kind == "verify":
-            return self.verifier.run(bucket)
-        return super()._forward(kind, bucket)
+        return forward_step(self.model, self.backend, self.with_hidden and kind is StepKind.EXTEND)
 
     def _wait_for_transfers(self) -> None:
         """Graphs without a per-layer barrier: every layer's transfer completes before a replay starts."""
@@ -258,28 +216,13 @@ class CompiledRunner(EagerRunner):
             with nvtx_range("wait for every layer's transfer"):
                 pool.wait_for_all_layers()
 
-    def decode(self, reqs) -> StepOutput:
-        self._wait_for_transfers()
-        parts = []
-        for start in range(0, len(reqs), self.decoder.largest):  # a batch over the largest bucket is split
-            chunk = reqs[start:start + self.decoder.largest]
-            bucket = self.decoder.bucket_for(len(chunk))
-            self._prepare_decode(chunk, pad_to=bucket)
-            with nvtx_range(f"replay bucket {bucket} ({len(chunk)} rows)"):
-                parts.append([t[: len(chunk)] for t in self._launch("decode", bucket)])
-        return StepOutput(*(torch.cat(ts) for ts in zip(*parts)))
-
-    def _verify_bucket(self, rows: int) -> int:
-        return self.verifier.bucket_for(rows)
-
-    def verify(self, reqs, drafts: list[list[int]]) -> VerifyOutput:
-        self._wait_for_transfers()
-        parts = []
-        for start in range(0, len(reqs), self.verifier.largest):  # a batch over the largest bucket is split
-            chunk = reqs[start:start + self.verifier.largest]
-            with nvtx_range(f"verify replay ({len(chunk)} rows)"):
-                parts.append(self._verify_chunk(chunk, drafts[start:start + len(chunk)]))
-        if len(parts) == 1:
-            return parts[0]
-        fields = [f for f in VerifyOutput.__struct_fields__ if getattr(parts[0], f) is not None]
-        return VerifyOutput(**{f: torch.cat([getattr(p, f) for p in parts]) for f in fields})
+    def commit(self, slots: list[int], steps: torch.Tensor) -> None:
+        """Each verify row's slot takes the conv windows saved after its last accepted token (`steps`,
+        the accepted counts). Slot ids come from the plan, never from the step buffers, which the next
+        prep may already have refilled."""
+        pool = self.backend.pool
+        with nvtx_range("commit conv windows"):
+            # The op takes stacked [L, ...] tensors per stream; the pool's are per layer, one L=1 view each.
+            torch.ops.inkling.commit_conv_windows(
+                [t[None] for t in each_layer(pool.conv.values())], [w[None] for w in pool.draft_windows()],
+                torch.tensor(slots, dtype=torch.int32).to(steps.device, non_blocking=True), steps[:len(slots)])

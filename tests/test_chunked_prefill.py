@@ -5,6 +5,7 @@ their one token per step meanwhile. The oracle is transformers, batch 1."""
 import pytest
 
 from inkling_compiled.engine import Engine
+from inkling_compiled.step_plan import StepKind
 from inkling_compiled.sampling import SamplingParams
 
 from conftest import PARITY_CONFIGS, random_prompt
@@ -14,17 +15,18 @@ PARAMS = SamplingParams(max_new_tokens=NEW, logprobs=True, ignore_eos=True)
 
 
 class PrefillLog:
-    """Wraps the engine's prefill: the tokens of each prefill forward."""
+    """Wraps the engine's runner: the tokens of each prefill (extend) forward."""
 
     def __init__(self, engine):
         self.tokens: list[int] = []
-        inner = engine.runner.prefill
+        inner = engine.worker.runner.run
 
-        def prefill(reqs, lengths):
-            self.tokens.append(sum(lengths))
-            return inner(reqs, lengths)
+        def run(plan):
+            if plan.kind is StepKind.EXTEND:
+                self.tokens.append(sum(len(t) for t in plan.tokens))
+            return inner(plan)
 
-        engine.runner.prefill = prefill
+        engine.worker.runner.run = run
 
 
 def assert_matches(hf_greedy, name, prompt, out):
@@ -94,7 +96,7 @@ def test_a_fault_in_a_middle_chunk_fails_that_request_and_is_reported(checkpoint
     while engine.has_unfinished():
         final.update((o.request_id, o) for o in engine.step() if o.finished)
     assert_matches(hf_greedy, "tiny", short, final[calm])
-    assert not engine.prefilling and engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert not engine.scheduler.prefilling and engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
 
 
 def test_an_interrupt_in_a_middle_chunk_is_reported_and_frees_its_checkpoints(checkpoint):
@@ -104,17 +106,19 @@ def test_an_interrupt_in_a_middle_chunk_is_reported_and_frees_its_checkpoints(ch
                                     page_size=4, prefix_checkpoints=8, progress=False)
     rid = engine.add_request(random_prompt(40, seed=900), PARAMS)
     engine.step()  # first chunk
-    inner = engine.runner.prefill
+    inner = engine.worker.runner.run
 
-    def interrupted(reqs, lengths):
-        raise KeyboardInterrupt
+    def interrupted(plan):
+        if plan.kind is StepKind.EXTEND:
+            raise KeyboardInterrupt
+        return inner(plan)
 
-    engine.runner.prefill = interrupted
+    engine.worker.runner.run = interrupted
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    engine.runner.prefill = inner
+    engine.worker.runner.run = inner
     outs = {o.request_id: o.finish_reason for o in engine.step()}
     assert outs == {rid: "error"} and not engine.has_unfinished()
     engine.clear_prefix_cache()
-    assert engine.pool.checkpoints.num_free == engine.pool.checkpoints.capacity
-    assert engine.pool.pages.num_free == engine.pool.pages.capacity
+    assert engine.worker.pool.checkpoints.num_free == engine.worker.pool.checkpoints.capacity
+    assert engine.worker.pool.pages.num_free == engine.worker.pool.pages.capacity

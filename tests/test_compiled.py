@@ -12,7 +12,7 @@ from inkling_compiled.errors import CompileError
 from inkling_compiled.graphs import DEFAULT_BUCKETS, GraphRecorder, census
 from inkling_compiled.graphs.dump import pool_copies_in_code, pool_shapes, pool_symbols
 from inkling_compiled.sampling import SamplingParams
-from inkling_compiled.speculative import Drafter
+from inkling_compiled.spec import Drafter
 from inkling_compiled.streams import STREAM_NAMES
 
 from conftest import PARITY_CONFIGS, PARITY_LENGTHS, random_prompt
@@ -59,21 +59,21 @@ def test_one_symbolic_graph_serves_every_bucket_no_breaks_and_a_full_sconv_censu
     to the largest bucket runs on it without a recompile."""
     recorder = GraphRecorder(inner)
     engine = compiled_engine(checkpoint, name, max_batch_size=32, compile_backend=recorder)
-    assert engine.decoder.buckets == DEFAULT_BUCKETS
-    assert engine.decoder.graphs() == [DEFAULT_BUCKETS]
+    assert engine.worker.decoder.buckets == DEFAULT_BUCKETS
+    assert engine.worker.decoder.graphs() == [DEFAULT_BUCKETS]
     assert len(recorder.graphs) == 1 and _symbolic_batch(recorder.graphs[0])
     assert not torch._dynamo.utils.counters["graph_break"]
     _full_sconv_census(recorder.graphs[0], engine.config.num_hidden_layers)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    engine.backend.prepare_padding(3)  # not a bucket: still no new graph
-    tokens = engine.decoder.run(4)[0]
+    engine.worker.backend.prepare_padding(3)  # not a bucket: still no new graph
+    tokens = engine.worker.decoder.run(4)[0]
     assert tokens.shape == (3,) and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
 
 
 def test_batch_one_specialised_is_its_own_static_graph(checkpoint):
     recorder = GraphRecorder("eager")
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=8, compile_backend=recorder, specialize_batch_one=True)
-    assert engine.decoder.graphs() == [(1,), (2, 4, 8)]
+    assert engine.worker.decoder.graphs() == [(1,), (2, 4, 8)]
     assert [_symbolic_batch(gm) for gm in recorder.graphs] == [False, True]
     for gm in recorder.graphs:
         _full_sconv_census(gm, engine.config.num_hidden_layers)
@@ -82,14 +82,14 @@ def test_batch_one_specialised_is_its_own_static_graph(checkpoint):
 def test_graph_per_bucket_compiles_each_bucket_and_refuses_other_sizes(checkpoint):
     recorder = GraphRecorder("eager")
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=8, compile_backend=recorder, graph_per_bucket=True)
-    assert engine.decoder.graphs() == [(1,), (2,), (4,), (8,)]
+    assert engine.worker.decoder.graphs() == [(1,), (2,), (4,), (8,)]
     assert not any(_symbolic_batch(gm) for gm in recorder.graphs)
     for gm in recorder.graphs:
         _full_sconv_census(gm, engine.config.num_hidden_layers)
     # after warm-up, a shape outside the buckets must not silently compile a new graph
-    engine.backend.prepare_padding(3)
+    engine.worker.backend.prepare_padding(3)
     with pytest.raises(CompileError, match=r"(?s)would recompile after warm-up.*size mismatch"):
-        engine.decoder.run(4)
+        engine.worker.decoder.run(4)
 
 
 @pytest.mark.parametrize("second", [dict(name="tiny", num_pages=40), dict(name="tiny-k3")])
@@ -104,7 +104,7 @@ def test_two_engines_in_one_process_never_share_a_graph(second, checkpoint):
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames == 1
     other = compiled_engine(checkpoint, name, max_batch_size=4, buckets=(1, 4), compile_backend="eager", **second)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and other.decoder.graphs() == [(1, 4)]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2 and other.worker.decoder.graphs() == [(1, 4)]
     prompts = [random_prompt(4 + i, seed=40 + i) for i in range(3)]
     for engine, model in ((first, "tiny"), (other, name)):
         eager = Engine.from_pretrained(checkpoint(model), compile=False, max_batch_size=4)
@@ -115,13 +115,13 @@ def test_two_engines_in_one_process_never_share_a_graph(second, checkpoint):
 def test_lazy_engine_compiles_a_bucket_on_first_use(checkpoint):
     recorder = GraphRecorder("eager")
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=8, compile_backend=recorder, warmup=False)
-    assert engine.decoder.graphs() == [] and not recorder.graphs
+    assert engine.worker.decoder.graphs() == [] and not recorder.graphs
     eager = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=8)
     prompts = [random_prompt(5 + i, seed=i) for i in range(3)]
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == \
         [o.token_ids for o in eager.generate(prompts, GREEDY)]
-    assert engine.decoder.graphs() == [(4,)] and len(recorder.graphs) == 1  # three rows: bucket 4
-    assert engine.warm_up([1]) and engine.decoder.graphs() == [(1, 4)]  # served by the same graph
+    assert engine.worker.decoder.graphs() == [(4,)] and len(recorder.graphs) == 1  # three rows: bucket 4
+    assert engine.warm_up([1]) and engine.worker.decoder.graphs() == [(1, 4)]  # served by the same graph
     assert len(recorder.graphs) == 1
     with pytest.raises(Exception, match="not all among the engine's buckets"):
         engine.warm_up([3])
@@ -147,12 +147,12 @@ def test_inductor_code_has_no_pool_sized_copies(checkpoint):
     recorder = GraphRecorder("inductor")
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), warmup=False, cpp_wrapper=False,
                              compile_backend=recorder)
-    _, codes = run_and_get_code(engine.decoder.warmup)
+    _, codes = run_and_get_code(engine.worker.decoder.warmup)
     assert len(codes) == 1  # one symbolic graph for both buckets
-    big = pool_shapes(engine.pool.state_tensors())
+    big = pool_shapes(engine.worker.pool.state_tensors())
     symbols = pool_symbols(recorder.graphs[0])  # slots, ring rows, page rows (the block table's too)
     assert len(symbols) == 4 and all(s.startswith("u") for s in symbols)
-    ring = engine.pool.sliding_kv[0][0]  # one layer's ring: [(slots+1)*W, nkv, hd]
+    ring = engine.worker.pool.sliding_kv[0][0]  # one layer's ring: [(slots+1)*W, nkv, hd]
     dims = ", ".join(map(str, ring.shape))
     assert pool_copies_in_code(f"buf = empty_strided_cpu(({dims}), (8, 8, 1))", big)  # the scan can fire
     trailing = ", ".join(map(str, ring.shape[1:]))  # and on a pool's symbolic size, not on a batch's
@@ -244,7 +244,7 @@ def test_graph_inputs_keep_their_addresses_across_steps(checkpoint):
     # The graph's size inputs: the batch (1 or 4) and the pool's sizes (fixed for the engine's life).
     varying = [values for values in zip(*by_bucket) if len(set(values)) > 1]
     assert len(by_bucket) == 2 and [set(values) for values in varying] == [{1, 4}]
-    assert {(engine.pool.max_slots + 1)} <= {v for size in by_bucket for v in size}
+    assert {(engine.worker.pool.max_slots + 1)} <= {v for size in by_bucket for v in size}
     for replays in by_bucket.values():
         assert len(replays) >= 2  # warm-up and replays
         assert all(c == replays[0] for c in replays), "a graph input moved between replays of its bucket"
@@ -261,8 +261,8 @@ def test_pool_and_metadata_are_marked_static_before_anything_compiles(checkpoint
     the block table and every metadata field (and each bucket's slices of them) are static inputs."""
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, progress=False,
                                     speculative="ngram")
-    buffers = engine.backend.buffers
-    tensors = {f"pool[{i}]": t for i, t in enumerate(engine.pool.static_tensors())}
+    buffers = engine.worker.backend.buffers
+    tensors = {f"pool[{i}]": t for i, t in enumerate(engine.worker.pool.static_tensors())}
     for kind, md in (("decode", buffers.prepare_padding(3)), ("verify", buffers.prepare_verify_padding(3))):
         tensors.update({f"{kind} metadata.{n}": getattr(md, n) for n in md.__struct_fields__
                         if isinstance(getattr(md, n), torch.Tensor)})
@@ -284,7 +284,7 @@ def test_every_graph_input_is_a_static_tensor_or_a_size_symbol(graphs, checkpoin
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(2, 4), compile_backend=record,
                              graph_per_bucket=graphs == "per-bucket")
     assert len(inputs) == (2 if graphs == "per-bucket" else 1)
-    assert engine.pool.sliding_kv and engine.pool.global_kv  # tiny has both kinds of layers
+    assert engine.worker.pool.sliding_kv and engine.worker.pool.global_kv  # tiny has both kinds of layers
     for example in inputs:
         tensors = [x for x in example if isinstance(x, torch.Tensor)]
         others = [x for x in example if not isinstance(x, torch.Tensor)]
@@ -327,7 +327,7 @@ def test_outputs_of_replays_that_reuse_memory_survive_a_split_batch(checkpoint):
     CUDA graph is recorded before the first request (graph trees warm, then record, then replay)."""
     backend = OutputReusingBackend()
     compiled = compiled_engine(checkpoint, "tiny", max_batch_size=10, buckets=(1, 4), compile_backend=backend)
-    assert compiled.decoder.cuda_graphs and backend.calls == 3 * 2
+    assert compiled.worker.decoder.cuda_graphs and backend.calls == 3 * 2
     eager = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=10)
     prompts = [random_prompt(n, seed=4000 + n) for n in PARITY_LENGTHS]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -377,9 +377,9 @@ def test_step_never_reads_a_layer_before_its_transfer(compile, barrier, verify, 
     rid = engine.add_request(random_prompt(11, seed=4), SamplingParams(max_new_tokens=5, ignore_eos=True,
                                                                        logprobs=True))
     engine.step()  # prefill
-    (req,) = engine.running
+    (req,) = engine.scheduler.running
     layers = range(engine.config.num_hidden_layers)
-    host_copy = [[t.clone() for t in engine.pool.layer_state(i)] for i in layers]
+    host_copy = [[t.clone() for t in engine.worker.pool.layer_state(i)] for i in layers]
     reference = engine.step()[0]
     assert engine.stats()["verify_steps"] == int(verify)
 
@@ -387,9 +387,9 @@ def test_step_never_reads_a_layer_before_its_transfer(compile, barrier, verify, 
     for _ in range(len(reference.token_ids) - 1):
         req.output.pop(), req.logprobs.pop()
     for layer in layers:
-        for t in engine.pool.layer_state(layer):
+        for t in engine.worker.pool.layer_state(layer):
             t.fill_(float("nan"))
-    counter = LateCounter(engine.pool, host_copy)
+    counter = LateCounter(engine.worker.pool, host_copy)
     engine.attach_layer_transfer_counter(counter)
     counter.thread.start()
     out = engine.step()[0]

@@ -65,9 +65,9 @@ def test_staggered_arrivals_early_finish_and_abort(name, checkpoint, hf_greedy):
         out = final[rid]
         assert out.finish_reason == "length" and len(out.token_ids) == budgets[i]
         assert_matches_hf(hf_greedy, name, prompts[i], out, n=NEW)
-    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
     engine.clear_prefix_cache()  # cached prompt pages are held on purpose; the rest must be free
-    assert engine.pool.pages.num_free == engine.pool.pages.capacity
+    assert engine.worker.pool.pages.num_free == engine.worker.pool.pages.capacity
 
 
 def test_public_api_names(checkpoint):
@@ -329,3 +329,41 @@ def test_kv_page_budget_is_refused_with_its_name(checkpoint):
         outs += engine.step()  # the 8-token prompt is prefilled 3 + 3 + 2: two steps without a token
     out = outs[-1]
     assert out.request_id == rid and len(out.token_ids) == 8 and out.finish_reason == "length"
+
+
+class CountingTokenizer:
+    """The checkpoint's tokenizer, counting the token ids each step's outputs decode."""
+
+    def __init__(self, inner):
+        self.inner, self.decoded = inner, 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return self.inner.decode(ids)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_long_outputs_cost_the_same_per_step(checkpoint):
+    """2,000 tokens: what a step's output decodes stays a short window (the text incremental, once per
+    request), the deltas add up to the whole text, and an output kept from early on still reads as it was."""
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=1, max_model_len=2100,
+                                    progress=False)
+    counting = engine.tokenizer = CountingTokenizer(engine.tokenizer)
+    rid = engine.add_request([40, 41, 42], SamplingParams(max_new_tokens=2000, ignore_eos=True, logprobs=True))
+    per_step, pieces, kept = [], [], {}
+    while engine.has_unfinished():
+        before = counting.decoded
+        (out,) = engine.step()
+        per_step.append(counting.decoded - before)
+        pieces.append(out.new_text)
+        assert len(out.new_token_ids) == 1 and len(out.new_logprobs) == 1
+        if len(per_step) in (1, 10, 1000):
+            kept[len(per_step)] = out
+    assert out.request_id == rid and len(out.token_ids) == 2000 and out.finished
+    assert max(per_step[1000:]) <= 64 and sum(per_step) < 20 * 2000, max(per_step)
+    assert "".join(pieces) == engine.tokenizer.inner.decode(out.token_ids)[:len("".join(pieces))]
+    assert out.text == engine.tokenizer.inner.decode(out.token_ids)
+    for n, early in kept.items():
+        assert early.token_ids == out.token_ids[:n] and early.logprobs == out.logprobs[:n] and not early.finished

@@ -37,7 +37,7 @@ def drive(engine, prompts):
 
 def test_reduce_overhead_replays_match_eager_and_leave_the_same_state(engines):
     compiled, eager = engines
-    assert compiled.decoder.mode == "reduce-overhead"
+    assert compiled.worker.decoder.mode == "reduce-overhead"
     prompts = [random_prompt(n, seed=n) for n in (3, 9, 17, 30, 5, 41)]
     _, got = drive(compiled, prompts)
     _, want = drive(eager, prompts)
@@ -46,15 +46,15 @@ def test_reduce_overhead_replays_match_eager_and_leave_the_same_state(engines):
         assert {k: v[0] for k, v in g.items()} == {k: v[0] for k, v in w.items()}
         assert all(abs(g[k][1] - w[k][1]) < 1e-4 for k in g)
     # live state after N steps: every slot but the dummy, every KV location but the dummy page/ring
-    page, W = compiled.pool.page_size, compiled.config.sliding_window_size
+    page, W = compiled.worker.pool.page_size, compiled.config.sliding_window_size
     def layers(pools):
         return [t for per_layer in pools for t in per_layer]
 
-    for a, b in zip(layers(compiled.pool.conv.values()), layers(eager.pool.conv.values())):
+    for a, b in zip(layers(compiled.worker.pool.conv.values()), layers(eager.worker.pool.conv.values())):
         assert torch.allclose(a[1:], b[1:], atol=1e-5)
-    for a, b in zip(layers(compiled.pool.global_kv), layers(eager.pool.global_kv)):
+    for a, b in zip(layers(compiled.worker.pool.global_kv), layers(eager.worker.pool.global_kv)):
         assert torch.allclose(a[page:], b[page:], atol=1e-5)
-    for a, b in zip(layers(compiled.pool.sliding_kv), layers(eager.pool.sliding_kv)):
+    for a, b in zip(layers(compiled.worker.pool.sliding_kv), layers(eager.worker.pool.sliding_kv)):
         assert torch.allclose(a[W:], b[W:], atol=1e-5)
 
 

@@ -59,7 +59,7 @@ def test_the_scan_covers_every_function_a_decode_step_runs(checkpoint):
     added to it."""
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, progress=False)
     engine.generate([[5, 6, 7]], engine_params())  # a live slot, so the step below reads real state
-    engine.backend.prepare_decode([9], [1], [3], [GREEDY_PAD])
+    engine.worker.backend.prepare_decode([9], [1], [3], [GREEDY_PAD])
     called = set()
 
     def profile(frame, event, arg):
@@ -69,7 +69,7 @@ def test_the_scan_covers_every_function_a_decode_step_runs(checkpoint):
     sys.setprofile(profile)
     try:
         with torch.inference_mode():
-            forward_step(engine.model, engine.backend)
+            forward_step(engine.model, engine.worker.backend)
     finally:
         sys.setprofile(None)
     scopes = {(ROOT / rel).resolve(): scope for rel, scope in scan_host_sync.TRACED.items()}

@@ -38,8 +38,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
                 if node.level else node.module
-            found.add(base)
-            found |= {f"{base}.{a.name}" for a in node.names}
+            for a in node.names:  # `from X import sub` is an edge to X.sub when that is a module, else to X
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
     return {m for m in found if m in known}
 
 
@@ -71,6 +71,51 @@ def test_import_graph_sees_real_edges(import_graph):
 def test_the_pool_imports_nothing_from_the_model(import_graph):
     for name in [n for n in import_graph if n.startswith("inkling_compiled.cache")]:
         assert "inkling_compiled.model" not in reachable(name, import_graph), name
+
+
+def test_the_pool_never_reaches_up(import_graph):
+    """The pool stores; the step backend, the scheduler, the worker and the engine sit above it."""
+    above = {f"inkling_compiled.{m}" for m in ("backend", "contexts", "metadata", "scheduler", "worker", "engine",
+                                                "runner")}
+    reached = reachable("inkling_compiled.cache.pool", import_graph)
+    assert not reached & above, reached & above
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles(import_graph):
+    """Lazy imports (inside functions) count too: the graph is read from every import statement."""
+    assert find_cycle(import_graph) is None, " -> ".join(find_cycle(import_graph))
+
+
+def test_the_cycle_check_sees_a_cycle(import_graph):
+    """A lazy import of the engine from the pool, added to the real graph, is reported as a cycle."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    graph = {name: set(edges) for name, edges in import_graph.items()}
+    graph["inkling_compiled.cache.pool"].add("inkling_compiled.engine")
+    cycle = find_cycle(graph)
+    assert cycle is not None and "inkling_compiled.engine" in cycle and "inkling_compiled.cache.pool" in cycle
 
 
 LEAVES = {f"inkling_compiled.{m}" for m in ("config", "errors", "paths", "streams", "kv_layout", "checks",

@@ -101,7 +101,7 @@ def test_drafts_equal_the_recipe_from_scratch(checkpoint):
     model, head = engine.model, engine.model.model.mtp
     for step in range(6):
         engine.step()
-        for req in engine.running:
+        for req in engine.scheduler.running:
             drafts = engine.drafter.propose([req])[0]
             known = req.prompt + req.output
             sequence = known + drafts[:-1]  # depth m at the anchor reads x_{P-1+m}: drafts d_1..d_{m-1}

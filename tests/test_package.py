@@ -52,13 +52,13 @@ def test_a_later_engine_loads_the_packaged_step_and_traces_nothing(checkpoint):
     another batch range, load it: Dynamo traces no frame, in this process or a new one, and every one
     decodes as the eager engine does."""
     first = engine(checkpoint, max_batch_size=4)
-    assert first.decoder.packaged and first.decoder.package_path.is_file()
-    assert first.decoder.graphs() == [(1, 2, 4)]
+    assert first.worker.decoder.packaged and first.worker.decoder.package_path.is_file()
+    assert first.worker.decoder.graphs() == [(1, 2, 4)]
     sizes = dict(max_batch_size=8, num_pages=70, max_model_len=192)
     frames = traced_frames()
     later = engine(checkpoint, **sizes)
-    assert later.decoder.packaged and later.decoder.package_path == first.decoder.package_path
-    assert traced_frames() == frames and later.decoder.graphs() == [(1, 2, 4, 8)]
+    assert later.worker.decoder.packaged and later.worker.decoder.package_path == first.worker.decoder.package_path
+    assert traced_frames() == frames and later.worker.decoder.graphs() == [(1, 2, 4, 8)]
     tokens = assert_decodes_as_eager(later, checkpoint, **sizes)
 
     script = (
@@ -67,7 +67,7 @@ def test_a_later_engine_loads_the_packaged_step_and_traces_nothing(checkpoint):
         "from inkling_compiled.sampling import SamplingParams\n"
         f"e = Engine.from_pretrained(sys.argv[1], progress=False, **{sizes!r})\n"
         f"out = e.generate({PROMPTS!r}, SamplingParams(max_new_tokens=8, ignore_eos=True))\n"
-        "print(json.dumps([e.decoder.packaged, torch._dynamo.utils.counters['stats']['unique_graphs'],\n"
+        "print(json.dumps([e.worker.decoder.packaged, torch._dynamo.utils.counters['stats']['unique_graphs'],\n"
         "                  [o.token_ids for o in out]]))\n")
     done = subprocess.run([sys.executable, "-c", script, str(checkpoint("tiny"))], capture_output=True, text=True,
                           check=True)
@@ -79,7 +79,7 @@ def test_the_key_follows_the_graph_not_the_pool(checkpoint):
     """One file for every pool size and batch range; another file for another model, dtype, page size,
     ring or wrapper; none where a step is not packaged (options, backends, HiCache barrier, graphs per bucket)."""
     def path(name="tiny", **kw):
-        return engine(checkpoint, name, warmup=False, **kw).decoder.package_path
+        return engine(checkpoint, name, warmup=False, **kw).worker.decoder.package_path
 
     base = path()
     assert base is not None and base.parent.name == "dynamo"
@@ -96,9 +96,9 @@ def test_the_key_follows_the_machine_the_threads_and_the_weight_layout(checkpoin
     """Inductor's code depends on the instruction set it picks and the thread count; the graph on the
     torch state the steps are pinned to and on how the weights are laid out (from_pretrained stores wide
     projections transposed). Each gets a file of its own."""
-    base = engine(checkpoint, warmup=False).decoder.package_path
+    base = engine(checkpoint, warmup=False).worker.decoder.package_path
     script = ("import sys\nfrom inkling_compiled.engine import Engine\n"
-              "print(Engine.from_pretrained(sys.argv[1], progress=False, warmup=False).decoder.package_path)\n")
+              "print(Engine.from_pretrained(sys.argv[1], progress=False, warmup=False).worker.decoder.package_path)\n")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}  # no vector instructions for inductor's code
     done = subprocess.run([sys.executable, "-c", script, str(checkpoint("tiny"))], capture_output=True, text=True,
                           check=True, env=env)
@@ -106,13 +106,13 @@ def test_the_key_follows_the_machine_the_threads_and_the_weight_layout(checkpoin
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
-        assert engine(checkpoint, warmup=False).decoder.package_path != base
+        assert engine(checkpoint, warmup=False).worker.decoder.package_path != base
     finally:
         torch.set_num_threads(threads)
     model = engine(checkpoint, compile=False).model
     for p in model.parameters():
         p.data = p.data.contiguous()  # the same values, every weight row-major
-    assert Engine(model, progress=False, warmup=False).decoder.package_path != base
+    assert Engine(model, progress=False, warmup=False).worker.decoder.package_path != base
 
 
 def test_a_package_that_refuses_its_first_inputs_is_dropped_for_tracing(checkpoint, caplog):
@@ -120,15 +120,15 @@ def test_a_package_that_refuses_its_first_inputs_is_dropped_for_tracing(checkpoi
     the eager engine does."""
     engine(checkpoint, max_batch_size=4)  # the package exists
     compiled = engine(checkpoint, max_batch_size=4, warmup=False)
-    assert compiled.decoder.packaged
-    compiled.backend.prepare_padding(1)
-    compiled.backend.metadata.seed = torch.zeros(1, dtype=torch.float64)  # not what the package was built for
+    assert compiled.worker.decoder.packaged
+    compiled.worker.backend.prepare_padding(1)
+    compiled.worker.backend.metadata.seed = torch.zeros(1, dtype=torch.float64)  # not what the package was built for
     frames = traced_frames()
     with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
-        compiled.decoder.run(1)
+        compiled.worker.decoder.run(1)
     assert "refused its first inputs" in caplog.text
-    assert not compiled.decoder.packaged and compiled.decoder.package_path is None
-    assert traced_frames() == frames + 1 and compiled.backend.metadata.seed.dtype == torch.int64
+    assert not compiled.worker.decoder.packaged and compiled.worker.decoder.package_path is None
+    assert traced_frames() == frames + 1 and compiled.worker.backend.metadata.seed.dtype == torch.int64
     assert_decodes_as_eager(compiled, checkpoint, max_batch_size=4)
 
 
@@ -147,11 +147,11 @@ def test_a_damaged_package_is_not_loaded(tmp_path, caplog):
 def test_a_packaged_step_refuses_metadata_it_was_not_compiled_for(checkpoint):
     """A guard failure of the package is the same CompileError as a recompile of a traced step."""
     compiled = engine(checkpoint, max_batch_size=4)
-    assert compiled.decoder.packaged
-    compiled.backend.prepare_padding(2)
-    compiled.backend.metadata.seed = torch.zeros(2, dtype=torch.float64)
+    assert compiled.worker.decoder.packaged
+    compiled.worker.backend.prepare_padding(2)
+    compiled.worker.backend.metadata.seed = torch.zeros(2, dtype=torch.float64)
     with pytest.raises(CompileError, match="would recompile"):
-        compiled.decoder.run(2)
+        compiled.worker.decoder.run(2)
 
 
 def test_if_the_aot_compile_fails_the_step_is_traced_with_every_guard(checkpoint, monkeypatch, caplog):
@@ -163,8 +163,8 @@ def test_if_the_aot_compile_fails_the_step_is_traced_with_every_guard(checkpoint
     with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
         compiled = engine(checkpoint, max_batch_size=4)
     assert "could not compile the step as a package" in caplog.text
-    assert compiled.decoder.package_path is None and not compiled.decoder.packaged
+    assert compiled.worker.decoder.package_path is None and not compiled.worker.decoder.packaged
     # the instance guard, which a packaged step leaves out, is back: traced steps share Dynamo's cache
-    assert INSTANCE_SOURCE in compiled.decoder.guarded_sources
-    assert engine(checkpoint, warmup=False).decoder.guarded_sources == ("self.backend.metadata",)
+    assert INSTANCE_SOURCE in compiled.worker.decoder.guarded_sources
+    assert engine(checkpoint, warmup=False).worker.decoder.guarded_sources == ("self.backend.metadata",)
     assert_decodes_as_eager(compiled, checkpoint, max_batch_size=4)

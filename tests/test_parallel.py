@@ -229,7 +229,7 @@ def test_four_ranks_compiled_one_graph_each_with_its_collectives(checkpoint, ora
                                 progress=False) as engine:
         assert_matches_oracle(serve_schedule(engine), oracle, "tiny")
         reports = engine.parallel_report()
-        assert [len(r["graphs"]) for r in reports] == [1, 1, 1, 1] and engine.decoder.graphs() == [(1, 2, 4)]
+        assert [len(r["graphs"]) for r in reports] == [1, 1, 1, 1] and engine.worker.decoder.graphs() == [(1, 2, 4)]
         for report in reports:
             (census,) = report["graphs"]
             ops = census["ops"]
@@ -326,7 +326,7 @@ class FlakyDrafter:
     """Prompt lookup that raises for one request id: a host-side failure before anything is sent."""
 
     def __new__(cls, bad: str):
-        from inkling_compiled.speculative import NgramDrafter
+        from inkling_compiled.spec import NgramDrafter
 
         class Flaky(NgramDrafter):
             def propose(self, reqs):
@@ -355,12 +355,12 @@ def test_what_fails_on_rank_0_alone_stays_contained(checkpoint):
     (again,) = engine.generate([PROMPTS[2]], GREEDY)  # still serving, and right
     assert again.finish_reason == "length" and len(again.token_ids) == NEW
 
-    real = engine.runner._forward
-    engine.runner._forward = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt)
+    real = engine.worker.runner.run
+    engine.worker.runner.run = lambda plan: (_ for _ in ()).throw(KeyboardInterrupt)  # after the plan went out
     engine.add_request(PROMPTS[0], GREEDY)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    engine.runner._forward = real
+    engine.worker.runner.run = real
     assert_no_ranks_left(engine)
     with pytest.raises(ParallelError, match="every rank was stopped"):
         engine.step()
@@ -369,7 +369,7 @@ def test_what_fails_on_rank_0_alone_stays_contained(checkpoint):
 def test_an_interrupted_warm_up_stops_the_ranks_at_once(checkpoint):
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=True, compile_backend="eager", warmup=False,
                                     max_batch_size=4, tensor_parallel_size=2, progress=False)
-    engine.decoder.warmup = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
+    engine.worker.decoder.warmup = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         engine.warm_up([4])
     assert_no_ranks_left(engine)

@@ -32,7 +32,7 @@ def tiny_pool(name="tiny", **kw):
 
 def test_backend_slices_are_the_pool_tensors_themselves(checkpoint):
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4)
-    config, pool, context = engine.config, engine.pool, engine.backend.context
+    config, pool, context = engine.config, engine.worker.pool, engine.worker.backend.context
     sliding = [i for i, t in enumerate(config.layer_types) if t == "hybrid_sliding"]
     glob = [i for i, t in enumerate(config.layer_types) if t == "hybrid"]
     pairs = 0
@@ -108,15 +108,15 @@ def test_thousand_random_events_leak_nothing(checkpoint):
             for out in engine.step():
                 if out.finished and out.request_id in live:
                     live.remove(out.request_id)
-        busy = len(engine.running)
-        assert engine.pool.slots.num_free == engine.pool.slots.capacity - busy
+        busy = len(engine.scheduler.running)
+        assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity - busy
     while engine.has_unfinished():
         engine.step()
-    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
     engine.clear_prefix_cache()  # cached prompt pages are held on purpose; the rest must be free
-    assert engine.pool.pages.num_free == engine.pool.pages.capacity
-    assert not engine.pool.slot_of and not engine.pool.pages_of
-    assert engine.pool.block_table.abs().sum() == 0
+    assert engine.worker.pool.pages.num_free == engine.worker.pool.pages.capacity
+    assert not engine.worker.pool.slot_of and not engine.worker.pool.pages_of
+    assert engine.worker.pool.block_table.abs().sum() == 0
 
 
 class ConvCallRecorder(TorchDispatchMode):
@@ -136,7 +136,7 @@ class ConvCallRecorder(TorchDispatchMode):
 
 def test_every_conv_of_a_step_reads_the_one_metadata_object_and_its_own_pool_slice(checkpoint):
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4)
-    backend, model, pool = engine.backend, engine.model, engine.pool
+    backend, model, pool = engine.worker.backend, engine.model, engine.worker.pool
     engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=1))  # warm the pool with real requests
     buffer = backend.buffers.decode_region.bytes
     addresses = None
@@ -168,9 +168,9 @@ def test_every_conv_of_a_step_reads_the_one_metadata_object_and_its_own_pool_sli
 def test_buffers_never_grow(checkpoint):
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, prefill_chunk_tokens=8)
     with pytest.raises(ValueError, match="max_batch_size=2"):
-        engine.backend.prepare_decode([1, 2, 3], [1, 2, 3], [0, 0, 0], [GREEDY_PAD] * 3)
+        engine.worker.backend.prepare_decode([1, 2, 3], [1, 2, 3], [0, 0, 0], [GREEDY_PAD] * 3)
     with pytest.raises(ValueError, match="max_tokens=8"):
-        engine.backend.prepare_prefill([[5] * 9], [1], [GREEDY_PAD])
+        engine.worker.backend.prepare_prefill([[5] * 9], [1], [GREEDY_PAD])
 
 
 def test_static_scan_is_clean_and_catches_violations():

@@ -36,7 +36,7 @@ def longest_boundary(prompt_len: int, shared: int) -> int:
 
 def assert_no_leaks(engine):
     """Every slot and checkpoint free; every page free or held by exactly the cache entries that own it."""
-    pool, cache = engine.pool, engine.prefix
+    pool, cache = engine.worker.pool, engine.cache.prefix
     assert not engine.has_unfinished()
     assert pool.slots.num_free == pool.slots.capacity and not pool.slot_of and not pool.pages_of
     entries = cache.entries() if cache else []
@@ -125,7 +125,7 @@ def test_no_prefix_cache_means_no_hits(checkpoint, hf_greedy):
     base = random_prompt(30, seed=9)
     outs = engine.generate([base, base + [3]], PARAMS) + engine.generate([base + [4]], PARAMS)
     assert [o.cached_tokens for o in outs] == [0, 0, 0]
-    assert engine.prefix is None and engine.pool.checkpoints.capacity == 0
+    assert engine.cache.prefix is None and engine.worker.pool.checkpoints.capacity == 0
 
 
 @pytest.mark.parametrize("host_cache_bytes", [0, 20_000])  # off, and a host tier small enough to trim
@@ -155,16 +155,16 @@ def test_random_schedules_leak_nothing(host_cache_bytes, checkpoint):
         for out in engine.step():
             if out.finished and out.finish_reason != "abort":
                 served[out.request_id] = (live.pop(out.request_id), out.token_ids)
-    assert len(served) > 20 and engine.prefix.hits > 5
+    assert len(served) > 20 and engine.cache.hits > 5
     for prompt, tokens in served.values():
         assert solo.generate([prompt], params)[0].token_ids == tokens
     assert_no_leaks(engine)
-    assert 0 <= engine.prefix.host_used <= host_cache_bytes
-    assert (engine.prefix.host_hits > 0) == (host_cache_bytes > 0)  # the tier was really used
+    assert 0 <= engine.cache.prefix.host_used <= host_cache_bytes
+    assert (engine.cache.host_hits > 0) == (host_cache_bytes > 0)  # the tier was really used
     assert engine.clear_prefix_cache() > 0  # and the cache itself empties completely
-    assert engine.prefix.host_used == 0 and not engine.prefix.entries()
-    assert engine.pool.pages.num_free == engine.pool.pages.capacity
-    assert engine.pool.checkpoints.num_free == engine.pool.checkpoints.capacity
+    assert engine.cache.prefix.host_used == 0 and not engine.cache.prefix.entries()
+    assert engine.worker.pool.pages.num_free == engine.worker.pool.pages.capacity
+    assert engine.worker.pool.checkpoints.num_free == engine.worker.pool.checkpoints.capacity
 
 
 def test_compiled_engine_with_hits(checkpoint, hf_greedy):
@@ -198,10 +198,10 @@ def test_a_request_that_cannot_fit_does_not_wipe_the_cache(checkpoint):
     engine.step()
     system = random_prompt(40, seed=3)
     engine.generate([system + [1]], SamplingParams(max_new_tokens=2))  # 5 of its pages stay cached
-    cached = len(engine.prefix.entries())
+    cached = len(engine.cache.prefix.entries())
     waiting = engine.add_request(random_prompt(10, seed=4), SamplingParams(max_new_tokens=54, ignore_eos=True))
     engine.step()  # needs 8 pages: 1 free + 5 evictable is not enough
-    assert any(r.request_id == waiting for r in engine.waiting) and len(engine.prefix.entries()) == cached
+    assert any(r.request_id == waiting for r in engine.scheduler.waiting) and len(engine.cache.prefix.entries()) == cached
     while engine.has_unfinished():
         engine.step()
     (out,) = engine.generate([system + [2]], SamplingParams(max_new_tokens=1))
@@ -229,7 +229,7 @@ def test_one_state_budget_is_split_and_reported(speculative, checkpoint):
     from inkling_compiled.errors import OptionError
 
     engine = engine_for(checkpoint, "tiny", state_memory_bytes=2**20, speculative=speculative)
-    report, costs = engine.memory_report(), engine.unit_costs
+    report, costs = engine.memory_report(), engine.worker.unit_costs
     slots = report["slot conv windows"] + report["slot sliding rings"] + report["draft windows"]
     assert (report["draft windows"] > 0) == (speculative is not None)
     assert slots == (report["slots"] + 1) * costs.slot
@@ -256,7 +256,7 @@ def test_the_host_tier_keeps_evicted_prefixes_and_loads_them_back(checkpoint, hf
     a, b = random_prompt(33, seed=50), random_prompt(33, seed=51)
     engine.generate([a], PARAMS)
     engine.generate([b], PARAMS)  # needs a's pages: a's entries go to the host tier
-    assert any(e.host is not None for e in engine.prefix.entries()) and engine.prefix.host_used > 0
+    assert any(e.host is not None for e in engine.cache.prefix.entries()) and engine.cache.prefix.host_used > 0
     prompts = [a[:30] + [3], a[:29] + [4, 5]]  # both resume from it; the second waits for the first's load
     outs = engine.generate(prompts, PARAMS)
     assert [o.cached_tokens for o in outs] == [24, 24]
@@ -264,7 +264,7 @@ def test_the_host_tier_keeps_evicted_prefixes_and_loads_them_back(checkpoint, hf
         assert_matches(hf_greedy, "tiny", prompt, out)
     assert_no_leaks(engine)
     engine.clear_prefix_cache()
-    assert engine.prefix.host_used == 0 and not engine.prefix.entries()
+    assert engine.cache.prefix.host_used == 0 and not engine.cache.prefix.entries()
 
 
 def test_a_host_load_that_lands_late_is_never_read_early(checkpoint, hf_greedy, monkeypatch):
@@ -309,9 +309,9 @@ def test_a_host_load_that_lands_late_is_never_read_early(checkpoint, hf_greedy, 
 
 def assert_cleared(engine):
     engine.clear_prefix_cache()
-    pool = engine.pool
+    pool = engine.worker.pool
     assert pool.pages.num_free == pool.pages.capacity and pool.checkpoints.num_free == pool.checkpoints.capacity
-    assert engine.prefix.host_used == 0 and not engine.prefix.entries()
+    assert engine.cache.prefix.host_used == 0 and not engine.cache.prefix.entries()
 
 
 def test_resuming_through_host_pages_without_checkpoints_leaks_nothing(checkpoint, hf_greedy):
@@ -324,7 +324,7 @@ def test_resuming_through_host_pages_without_checkpoints_leaks_nothing(checkpoin
     engine.generate([b], PARAMS)
     prompt = a[:32] + [3]
     (out,) = engine.generate([prompt], PARAMS)
-    assert out.cached_tokens == 32 and engine.prefix.host_hits == 1
+    assert out.cached_tokens == 32 and engine.cache.host_hits == 1
     assert_matches(hf_greedy, "tiny", prompt, out)
     assert_no_leaks(engine)
     assert_cleared(engine)
@@ -338,7 +338,7 @@ def test_an_entry_too_big_for_the_host_tier_takes_its_host_children_along(checkp
     a = random_prompt(25, seed=70)
     for prompt in (a, a[:24] + random_prompt(17, seed=71), random_prompt(33, seed=72)):
         engine.generate([prompt], PARAMS)
-        assert engine.prefix.host_used == sum(e.host.nbytes for e in engine.prefix.entries() if e.host)
+        assert engine.cache.prefix.host_used == sum(e.host.nbytes for e in engine.cache.prefix.entries() if e.host)
     assert_cleared(engine)
 
 
@@ -366,7 +366,7 @@ def test_a_failed_host_load_fails_its_request_and_leaves_the_entries_on_the_host
     assert failed.finish_reason == "error" and "loading a cached prefix back from host memory" in failed.error
     prompt = a[:30] + [4, 5]
     (out,) = engine.generate([prompt], PARAMS)
-    assert out.cached_tokens == 24 and engine.prefix.host_hits == 2
+    assert out.cached_tokens == 24 and engine.cache.host_hits == 2
     assert_matches(hf_greedy, "tiny", prompt, out)
     assert_no_leaks(engine)
     assert_cleared(engine)

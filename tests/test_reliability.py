@@ -78,7 +78,7 @@ def test_padded_rows_and_the_dummy_slot_and_page_never_reach_a_live_row(checkpoi
     eager, compiled = make_engine(checkpoint, False), make_engine(checkpoint, True)
     prompts = [clean_prompt(n, seed=200 + n) for n in (4, 9, 17)]  # 3 rows in bucket 4: one padded row
     want = outputs(eager, prompts)
-    poison_dummies(compiled.pool)
+    poison_dummies(compiled.worker.pool)
     assert_same(outputs(compiled, prompts), want)
 
 
@@ -124,9 +124,9 @@ def test_a_fault_inside_an_op_fails_that_steps_requests_and_nothing_else(compile
     for rid in (first, second):
         assert outs[rid].finish_reason == "error" and cause in outs[rid].error
         assert len(outs[rid].token_ids) == 1  # the prefill's token; nothing from the failed step
-    assert not engine.running and engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert not engine.scheduler.running and engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
     engine.clear_prefix_cache()  # cached prompt pages are held on purpose; the rest must be free
-    assert engine.pool.pages.num_free == engine.pool.pages.capacity
+    assert engine.worker.pool.pages.num_free == engine.worker.pool.pages.capacity
     # the engine keeps serving, and the freed slots carry nothing of the failed requests
     assert_same(outputs(engine, prompts), want)
 
@@ -157,7 +157,7 @@ def test_an_interrupt_in_the_prefill_keeps_the_decode_that_finished_before_it(ch
     outs = {o.request_id: o for o in engine.step()}
     assert (outs[first].finish_reason, len(outs[first].token_ids)) == ("length", 2)  # not decoded again
     assert outs[second].finish_reason == "error"
-    assert not engine.has_unfinished() and engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert not engine.has_unfinished() and engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
 
 
 def test_an_interrupted_generate_hands_its_requests_to_step(checkpoint):
@@ -174,7 +174,7 @@ def test_an_interrupted_generate_hands_its_requests_to_step(checkpoint):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert len(finished) == 5  # every request's final output reaches step(), failed or not
     assert {o.finish_reason for o in finished.values()} == {"error", "length"}
-    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
 
 
 def test_an_interrupt_mid_step_fails_that_steps_requests_then_propagates(checkpoint):
@@ -193,7 +193,7 @@ def test_an_interrupt_mid_step_fails_that_steps_requests_then_propagates(checkpo
     outs = {o.request_id: o for o in engine.step()}  # the failed requests' final outputs come next
     assert {rid: outs[rid].finish_reason for rid in rids} == {rid: "error" for rid in rids}
     assert "KeyboardInterrupt" in outs[rids[0]].error
-    assert not engine.has_unfinished() and engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert not engine.has_unfinished() and engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
     assert_same(outputs(engine, prompts), want)
 
 
@@ -252,9 +252,9 @@ def test_threads_adding_aborting_and_stepping_leave_every_request_finished_and_n
     assert not errors, errors
     assert sorted(finished) == sorted(added) and len(set(added)) == 80
     assert {o.finish_reason for o in finished.values()} <= {"length", "abort"}
-    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
     engine.clear_prefix_cache()  # cached prompt pages are held on purpose; the rest must be free
-    assert engine.pool.pages.num_free == engine.pool.pages.capacity
+    assert engine.worker.pool.pages.num_free == engine.worker.pool.pages.capacity
 
 
 def test_generate_hands_other_requests_outputs_to_the_next_step(checkpoint):
@@ -303,7 +303,7 @@ def test_one_engines_replay_never_refuses_another_engines_first_compile(checkpoi
     b = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=2, compile_backend="eager", progress=False,
                                warmup=False)
     inside, release = threading.Event(), threading.Event()
-    replay = a.decoder.compiled
+    replay = a.worker.decoder.compiled
 
     def slow_replay():
         out = replay()
@@ -311,7 +311,7 @@ def test_one_engines_replay_never_refuses_another_engines_first_compile(checkpoi
         release.wait(10)
         return out
 
-    a.decoder.compiled = slow_replay
+    a.worker.decoder.compiled = slow_replay
     a.add_request([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
     a.step()  # prefill
     stepping = threading.Thread(target=a.step)
@@ -408,17 +408,17 @@ def test_a_random_schedule_serves_every_request_as_if_it_were_alone(checkpoint):
                     finished[out.request_id] = out
                     if out.request_id in live:
                         live.remove(out.request_id)
-        assert engine.pool.slots.num_free == engine.pool.slots.capacity - len(engine.running)
+        assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity - len(engine.scheduler.running)
     while engine.has_unfinished():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert sorted(finished) == sorted(requests)
     reasons = [o.finish_reason for o in finished.values()]
     assert faulted >= 1 and reasons.count("error") >= 1 and reasons.count("abort") >= 1
     assert reasons.count("stop") >= 1 and reasons.count("length") >= 1
-    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
     engine.clear_prefix_cache()  # cached prompt pages are held on purpose; the rest must be free
-    assert engine.pool.pages.num_free == engine.pool.pages.capacity
-    assert not engine.pool.slot_of and engine.pool.block_table.abs().sum() == 0
+    assert engine.worker.pool.pages.num_free == engine.worker.pool.pages.capacity
+    assert not engine.worker.pool.slot_of and engine.worker.pool.block_table.abs().sum() == 0
     compared = 0
     for rid, out in finished.items():
         if out.finish_reason in ("abort", "error"):

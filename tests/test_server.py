@@ -23,6 +23,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from inkling_compiled import Engine, SamplingParams  # noqa: E402
+from inkling_compiled.step_plan import StepKind  # noqa: E402
 from inkling_compiled.server.serve import ApiServer  # noqa: E402
 from inkling_compiled.server.chat import ChatTemplate  # noqa: E402
 
@@ -282,16 +283,17 @@ def test_a_failed_step_fails_only_its_requests(server, client, monkeypatch):
     """The second decode step of a request raises (the only request in flight): a 500 for the whole
     answer, an error event then [DONE] for a stream; then the server answers as before."""
     engine = server.loop.engine
-    real = engine.runner.decode
+    real = engine.worker.runner.run
     calls = {"n": 0}
 
-    def failing_second(reqs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected fault")
-        return real(reqs)
+    def failing_second(plan):
+        if plan.kind is StepKind.DECODE:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected fault")
+        return real(plan)
 
-    monkeypatch.setattr(engine.runner, "decode", failing_second)
+    monkeypatch.setattr(engine.worker.runner, "run", failing_second)
     status, _, answer = http(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 5})
     assert status == 500 and "injected fault" in answer["error"]["message"]
     calls["n"] = 0
@@ -301,7 +303,7 @@ def test_a_failed_step_fails_only_its_requests(server, client, monkeypatch):
             headers={"Content-Type": "application/json"}), timeout=60) as r:
         chunks = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
     assert "injected fault" in chunks[-2] and chunks[-1] == "data: [DONE]"
-    monkeypatch.setattr(engine.runner, "decode", real)
+    monkeypatch.setattr(engine.worker.runner, "run", real)
     assert http(server, "GET", "/health")[0] == 200
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).usage.completion_tokens == 4
 

@@ -8,7 +8,8 @@ import torch
 from inkling_compiled.engine import Engine
 from inkling_compiled.errors import OptionError
 from inkling_compiled.sampling import SamplingParams, verify_drafts
-from inkling_compiled.speculative import Drafter, NgramDrafter
+from inkling_compiled.spec import Drafter, NgramDrafter
+from inkling_compiled.step_plan import StepKind
 from inkling_compiled.streams import MODEL_STREAMS
 
 from conftest import random_prompt
@@ -211,13 +212,14 @@ def test_drafts_past_the_logits_are_cut_not_failed(checkpoint, plain_outputs):
     engine = engine_for(checkpoint, max_batch_size=2, max_model_len=640, speculative="ngram")
     top = engine.config.logits_vocab_size  # 264 on tiny; the embedding has 272 rows
     prompts = [[t for i in range(top) for t in (i, top + 1)], [11, 12, 13]]  # every token is followed by top+1
-    checked, verify = [], engine.runner.verify
+    checked, run = [], engine.worker.runner.run
 
-    def verify_checked(reqs, drafts):  # the real drafts (the first `drafted`) that reach the verify step
-        checked.extend(t for r, d in zip(reqs, drafts) for t in d[:r.drafted])
-        return verify(reqs, drafts)
+    def run_checked(plan):  # the real drafts (the first `drafted`) that reach the verify step
+        if plan.kind is StepKind.VERIFY:
+            checked.extend(t for row, n in zip(plan.tokens, plan.drafted) for t in row[1:1 + n])
+        return run(plan)
 
-    engine.runner.verify = verify_checked
+    engine.worker.runner.run = run_checked
     outs = engine.generate(prompts, GREEDY)
     want = engine_for(checkpoint, max_batch_size=2, max_model_len=640).generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
@@ -344,7 +346,7 @@ def test_stops_and_length_inside_an_accepted_run(checkpoint, plain_outputs):
     assert outs[2].token_ids == long[2].token_ids[:3]
     assert outs[2].spec_accepted == 2  # every draft was right, but only two fit before the length
     assert all(o.spec_accepted <= len(o.token_ids) - 1 for o in outs)  # counted: accepted and emitted
-    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
 
 
 def test_continuous_batching_staggered_arrivals_and_aborts(checkpoint, plain_outputs):
@@ -368,7 +370,7 @@ def test_continuous_batching_staggered_arrivals_and_aborts(checkpoint, plain_out
     for rid, i in rids.items():
         if rid != victim:
             assert final[rid].token_ids == want[i].token_ids
-    assert engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
 
 
 def test_commit_takes_slots_from_the_verify_batch_not_the_step_buffers(checkpoint):
@@ -378,15 +380,17 @@ def test_commit_takes_slots_from_the_verify_batch_not_the_step_buffers(checkpoin
     for i in range(4):
         engine.add_request(random_prompt(5 + i, seed=50 + i), SamplingParams(max_new_tokens=20, ignore_eos=True))
     engine.step()  # prefill: all four decode from the next step on
-    reqs = list(engine.running)
-    runner, pool = engine.runner, engine.pool
+    reqs = list(engine.scheduler.running)
+    runner, pool = engine.worker.runner, engine.worker.pool
     verify_rows, others = reqs[:2], reqs[2:]
-    slots = runner._prepare_verify(verify_rows, [[3, 4], [5, 6]])
+    plan = engine.scheduler.decode_plan(verify_rows, [[3, 4], [5, 6]])
+    runner.prepare(plan)
+    slots = plan.slots
     with torch.inference_mode():
         from inkling_compiled.runner import verify_step
-        out = verify_step(engine.model, engine.backend)
+        out = verify_step(engine.model, engine.worker.backend)
     before = {name: torch.stack(layers) for name, layers in pool.conv.items()}  # [L, slots, K-1, D] copies
-    engine.backend.prepare_decode([r.output[-1] for r in others], [pool.slot_of[r.request_id] for r in others],
+    engine.worker.backend.prepare_decode([r.output[-1] for r in others], [pool.slot_of[r.request_id] for r in others],
                                   [r.cached_len for r in others], [r.sampling_row() for r in others])
     steps = torch.tensor([2, 0])
     runner.commit(slots, steps)
@@ -413,8 +417,8 @@ def test_every_layer_and_stream_commits(checkpoint):
         plain.add_request(p, GREEDY)
     for _ in range(4):
         plain.step()
-        slots = {prompts.index(r.prompt): plain.pool.slot_of[r.request_id] for r in plain.running}
-        snapshots.append({i: {name: torch.stack([t[slot] for t in layers]) for name, layers in plain.pool.conv.items()}
+        slots = {prompts.index(r.prompt): plain.worker.pool.slot_of[r.request_id] for r in plain.scheduler.running}
+        snapshots.append({i: {name: torch.stack([t[slot] for t in layers]) for name, layers in plain.worker.pool.conv.items()}
                           for i, slot in slots.items()})
     drafter = ScriptedDrafter({tuple(p): o.token_ids for p, o in zip(prompts, want)}, miss=lambda row, step: row)
     spec = engine_for(checkpoint, max_batch_size=3, max_model_len=64, speculative=drafter, num_speculative_tokens=2)
@@ -422,14 +426,14 @@ def test_every_layer_and_stream_commits(checkpoint):
         spec.add_request(p, GREEDY)
     spec.step()  # prefill
     spec.step()  # one verify: rows emit 1, 2 and 3 tokens
-    for row, req in enumerate(spec.running):
+    for row, req in enumerate(spec.scheduler.running):
         i = prompts.index(req.prompt)
         assert len(req.output) == 2 + row and req.output == want[i].token_ids[:2 + row]
-        slot = spec.pool.slot_of[req.request_id]
+        slot = spec.worker.pool.slot_of[req.request_id]
         for layer in range(spec.config.num_hidden_layers):
             for stream in MODEL_STREAMS:
-                name, index = spec.pool.layer_index(layer, stream)
-                got, expected = spec.pool.conv[name][index][slot], snapshots[row + 1][i][name][index]
+                name, index = spec.worker.pool.layer_index(layer, stream)
+                got, expected = spec.worker.pool.conv[name][index][slot], snapshots[row + 1][i][name][index]
                 assert torch.allclose(got, expected, atol=1e-5), (layer, stream, row)
 
 
@@ -456,7 +460,7 @@ def test_verify_graphs_one_per_bucket_no_breaks_and_a_full_census(checkpoint, fr
 
     engine = engine_for(checkpoint, compile=True, max_batch_size=4, buckets=(2, 4), compile_backend=recorder,
                         speculative=Threes(), num_speculative_tokens=3)
-    assert engine.decoder.graphs() == [(2, 4)] and engine.verifier.graphs() == [(2,), (4,)]
+    assert engine.worker.decoder.graphs() == [(2, 4)] and engine.worker.verifier.graphs() == [(2,), (4,)]
     assert not torch._dynamo.utils.counters["graph_break"]
     layers = engine.config.num_hidden_layers
     verify_graphs = [gm for gm in recorder.graphs if "inkling::sconv_verify" in census(gm)["ops"]]
@@ -511,7 +515,7 @@ def test_a_failing_drafter_fails_its_batch_and_the_engine_serves_on(checkpoint, 
         outs = engine.generate([[5, 6, 7], [8, 9]], GREEDY)
         assert all(o.finish_reason == "error" and needle in o.error for o in outs)
         assert engine.generate([prompt], GREEDY)[0].token_ids == plain_outputs("tiny", [prompt])[0].token_ids
-        assert engine.pool.slots.num_free == engine.pool.slots.capacity
+        assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
 
 
 def test_k_larger_than_the_prefill_chunk_and_the_batch(checkpoint, plain_outputs):
@@ -530,7 +534,7 @@ def test_padding_rows_stay_in_bounds_when_k_outgrows_a_page(checkpoint):
     write only the dummy page's first row, and a real row's positions past its pages go to the dummy."""
     engine = engine_for(checkpoint, max_batch_size=2, max_model_len=16, page_size=16, speculative="ngram",
                         num_speculative_tokens=16)
-    md = engine.backend.buffers.prepare_verify_padding(2)
+    md = engine.worker.backend.buffers.prepare_verify_padding(2)
     assert md.global_kv_loc.tolist() == [0] * 34 and (md.sliding_kv_loc[1:17] == -1).all()
     out = engine.generate([[5, 6, 5, 6, 5]], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
     assert len(out.token_ids) == 10
@@ -552,5 +556,5 @@ def test_recompile_limits_leave_room_for_every_verify_graph_in_the_process(check
     warm-up fails on Dynamo's recompile limit)."""
     engines = [engine_for(checkpoint, compile=True, warmup=False, max_batch_size=4, buckets=(1, 2, 4),
                           compile_backend="eager", speculative="ngram") for _ in range(12)]
-    graphs = sum(len(e.verifier.buckets) + len(e.decoder.buckets) for e in engines)
+    graphs = sum(len(e.worker.verifier.buckets) + len(e.worker.decoder.buckets) for e in engines)
     assert torch._dynamo.config.recompile_limit > graphs

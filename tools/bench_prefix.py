@@ -51,9 +51,9 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> t
 
 def evict_to_host(engine: Engine) -> None:
     """Every cached entry leaves the device for the host tier (as memory pressure would make it)."""
-    while leaves := engine.prefix.evictable():
+    while leaves := engine.cache.prefix.evictable():
         for entry in leaves:
-            engine.prefix.evict(entry)
+            engine.cache.prefix.evict(entry)
 
 
 def lone_ttft(engine: Engine, prefix: list[int], suffix: int, params: SamplingParams, *, from_host: bool,

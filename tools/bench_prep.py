@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     positions = [40 + i for i in range(args.batch)]
     ids = [5] * args.batch
     rows = [RowSampling(0.0, 0, 1.0, 0, 0)] * args.batch
-    backend, layers = engine.backend, engine.config.num_hidden_layers
+    backend, layers = engine.worker.backend, engine.config.num_hidden_layers
     context = backend.context
     reads = 4 * layers
 

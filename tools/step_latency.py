@@ -1,5 +1,6 @@
-"""Per-bucket decode-step latency (metadata prep + graph replay) and engine decode tokens/s of the
-compiled engine; used by gpu_check.sh on CUDA.
+"""Per-bucket decode-step latency (metadata prep + graph replay, and the replay alone), engine decode
+tokens/s of the compiled engine, and the engine's host overhead per step at batch 1 (an engine step's
+time less bucket 1's replay: scheduling, prep, outputs); used by gpu_check.sh on CUDA.
 
     OMP_NUM_THREADS=1 python tools/step_latency.py --device cpu [--configs tiny small] [--graphs batch-one] [--no-package]
     python3 tools/step_latency.py --device cuda --dtype bfloat16
@@ -36,12 +37,13 @@ def main() -> None:
                                             progress=False, specialize_batch_one=args.graphs == "batch-one",
                                             graph_per_bucket=args.graphs == "per-bucket",
                                             compile_package=not args.no_package)
-            d = engine.decoder
+            d = engine.worker.decoder
             print(f"{name}: mode={d.mode} graphs {d.graphs()} {'packaged' if d.packaged else 'traced'}, warm-up " +
                   ", ".join(f"bs{b} {s:.1f}s" for b, s in d.compile_seconds.items()))
+            replay = {}
             for b in d.buckets:
                 def step():
-                    engine.backend.prepare_padding(b)
+                    engine.worker.backend.prepare_padding(b)
                     return d.run(b)
 
                 for _ in range(3):
@@ -52,7 +54,13 @@ def main() -> None:
                     step()
                 sync()
                 ms = (time.perf_counter() - t0) / n * 1e3
-                print(f"  bucket {b:>2}: prep + replay {ms:.3f} ms/step, {b / ms * 1e3:9.1f} tokens/s (padded rows)")
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    d.run(b)
+                sync()
+                replay[b] = (time.perf_counter() - t0) / n * 1e3
+                print(f"  bucket {b:>2}: prep + replay {ms:.3f} ms/step, {b / ms * 1e3:9.1f} tokens/s (padded rows); "
+                      f"replay alone {replay[b]:.3f} ms")
             for batch in (1, 8, 32):
                 params = SamplingParams(max_new_tokens=64, ignore_eos=True)
                 for i in range(batch):
@@ -65,6 +73,9 @@ def main() -> None:
                     steps += 1
                 dt = time.perf_counter() - t0
                 print(f"  engine batch {batch:>2}: {batch * 63 / dt:9.1f} decode tokens/s ({dt / steps * 1e3:.2f} ms/step)")
+                if batch == 1:
+                    print(f"  host overhead per engine step at batch 1: {dt / steps * 1e3 - replay[1]:.3f} ms "
+                          "(engine step less bucket 1's replay)")
 
 
 if __name__ == "__main__":

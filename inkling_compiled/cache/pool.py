@@ -14,8 +14,10 @@ the graph (`mark_sizes_dynamic`), so one compiled graph, and inductor's cache of
 size. (A layer slice of a stacked tensor has a storage offset that grows with those sizes, and inductor
 2.13 drops a symbolic storage offset of a graph-internal view: every layer would read layer 0's state.)
 
-The pool only stores: it hands out slots and pages, clears a slot's conv state on allocation and
-answers `layer_index`; everything per step lives in the step backend. Which layers each conv stream
+The pool stores: it hands out slots and pages, clears a slot's conv state on allocation, copies prefix
+checkpoints in and answers `layer_index`; everything per step lives in the step backend, and who gets
+what is the cache manager's to decide (`cache/manager.py`). It also holds the HiCache layer-transfer
+counter and the barrier's handle, because every read of a layer's state is where the wait must happen. Which layers each conv stream
 holds is `streams.StreamTable`'s to say.
 """
 
@@ -26,7 +28,7 @@ import torch
 from ..config import InklingConfig
 from ..custom_ops import barrier
 from ..kv_layout import pages_for
-from ..metadata import mark_static
+from ..static import mark_static
 from ..streams import MODEL_STREAMS, StreamTable
 from .allocator import IndexAllocator
 
@@ -103,10 +105,9 @@ class StatePool:
         self.layer_transfer = layer_transfer
         self.barrier_handle = barrier.new_handle()
         self.layer_transfer_counter: LayerTransferCounter | None = None
-        # Under tensor parallelism the scheduling rank's pool records every write it makes outside a step
-        # (`EFFECTS`, with their arguments), and the other ranks' pools replay them on their shards.
-        self.journal: list[tuple[str, tuple]] | None = None
 
+    # The writes outside a step that the other ranks of a tensor-parallel engine replay on their shards
+    # (the cache manager journals them into each step plan).
     EFFECTS = ("reset_slot", "clear_block_row", "restore_checkpoint")
 
     def mark_sizes_dynamic(self) -> None:
@@ -158,13 +159,8 @@ class StatePool:
         self.clear_block_row(slot)
         self.slots.free([slot])
 
-    def _record(self, effect: str, *args) -> None:
-        if self.journal is not None:
-            self.journal.append((effect, args))
-
     def reset_slot(self, slot: int, pages: list[int]) -> None:
         """The slot's block table row lists `pages`; its conv windows and rings are cleared."""
-        self._record("reset_slot", slot, pages)
         row = self.block_table_host[slot]
         row.zero_()
         row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
@@ -176,7 +172,6 @@ class StatePool:
             t[slot * R:(slot + 1) * R].zero_()
 
     def clear_block_row(self, slot: int) -> None:
-        self._record("clear_block_row", slot)
         self.block_table[slot].zero_()
         self.block_table_host[slot].zero_()
 
@@ -194,7 +189,6 @@ class StatePool:
     def restore_checkpoint(self, slot: int, checkpoint: int) -> None:
         """The slot's conv windows and sliding rings become the checkpoint's (a copy: the slot's state is
         its own to change, the checkpoint stays for the next hit)."""
-        self._record("restore_checkpoint", slot, checkpoint)
         for name, layers in self.conv.items():
             for i, t in enumerate(layers):
                 t[slot] = self.conv_checkpoints[name][i, checkpoint]

@@ -11,12 +11,15 @@ A request whose prompt starts with a cached prefix resumes from the deepest entr
 a checkpoint and leaves at least one prompt token to prefill: it shares the pages above that boundary,
 copies the checkpoint into its own slot, and prefills the rest. Entries a running request started from
 are pinned (`users`); the others are evicted leaf first, least recently used first, when pages or
-checkpoints run short.
+checkpoints run short. The candidates come from a heap ordered by last use, offered whenever an entry
+may have become one (unpinned, a new leaf, a child evicted) and checked when taken, so that evicting
+costs what it evicts, not a walk of the whole tree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 
 from .host_tier import HostCopy, copy_to_host, host_nbytes
@@ -73,8 +76,12 @@ class PrefixCache:
         self.host_bytes, self.host_used = host_bytes, 0  # the host tier's budget and what it holds
         self.root = PrefixEntry(None, (), 0, None)
         self._clock = itertools.count(1)
-        self.hits = self.hit_tokens = 0  # requests that resumed from the cache, and the tokens it served them
-        self.host_hits = 0  # of those, the ones that loaded something back from the host tier
+        # (last use, order, entry) of entries that may be evictable from the device / droppable from the host
+        # tier; an item whose entry changed since it was pushed is skipped when it comes up.
+        self._device_heap: list[tuple[int, int, PrefixEntry]] = []
+        self._host_heap: list[tuple[int, int, PrefixEntry]] = []
+        self._order = itertools.count()
+        self.device_pages = 0  # KV pages the cache's entries hold on the device
 
     def _page(self, prompt: list[int], i: int) -> tuple[int, ...]:
         return tuple(prompt[i * self.page_size:(i + 1) * self.page_size])
@@ -103,6 +110,31 @@ class PrefixCache:
         if entry is not None:
             for e in entry.path():
                 e.users -= 1
+                self._offer(e)
+
+    # ---- eviction candidates ------------------------------------------------------------------------
+
+    @staticmethod
+    def _attached(e: PrefixEntry) -> bool:
+        return e.parent is not None and e.parent.children.get(e.tokens) is e
+
+    def _evictable(self, e: PrefixEntry, gone: set | frozenset = frozenset()) -> bool:
+        """On the device, unpinned, and every child on the host tier (or in `gone`, evictions planned)."""
+        return (e.host is None and e.users == 0 and self._attached(e)
+                and all(c.host is not None or c in gone for c in e.children.values()))
+
+    def _droppable(self, e: PrefixEntry) -> bool:
+        """On the host tier, unpinned, a leaf."""
+        return e.host is not None and e.users == 0 and not e.children and self._attached(e)
+
+    def _offer(self, e: PrefixEntry | None) -> None:
+        """The entry may have become a candidate: onto the heap of its tier if it is one."""
+        if e is None or e.parent is None:
+            return
+        if self._evictable(e):
+            heapq.heappush(self._device_heap, (e.last_used, next(self._order), e))
+        elif self._droppable(e):
+            heapq.heappush(self._host_heap, (e.last_used, next(self._order), e))
 
     def entry_at(self, prompt: list[int], pages: int) -> PrefixEntry | None:
         """The entry of the first `pages` full pages of `prompt`, if cached."""
@@ -129,6 +161,7 @@ class PrefixCache:
                 page = page_ids[i] if self.pool.pages_needed(1) else None
                 if page is not None:
                     self.pool.retain_page(page)
+                    self.device_pages += 1
                 child = entry.children[key] = PrefixEntry(entry, key, i + 1, page)
             checkpoint = checkpoints.pop(i + 1, None)
             if child.host is not None and not child.loading and (checkpoint is not None or child.host.conv is None):
@@ -136,8 +169,10 @@ class PrefixCache:
                 page = page_ids[i] if self.pool.pages_needed(1) else None
                 if page is not None:
                     self.pool.retain_page(page)
+                    self.device_pages += 1
                 child.page = page
                 self.loaded(child)
+                self._offer(child.parent)
             if checkpoint is not None:
                 if child.checkpoint is None and child.host is None:
                     child.checkpoint = checkpoint
@@ -146,28 +181,32 @@ class PrefixCache:
             child.last_used = now
             entry = child
         self.pool.checkpoints.free(list(checkpoints.values()))  # boundaries past `pages`: not recorded
+        for e in entry.path():  # their last use changed: whichever are candidates go on again
+            self._offer(e)
 
     def evictable(self) -> list[PrefixEntry]:
         """Device entries no running request pinned and no device entry hangs from (what hangs below
         them is on the host tier, if anything): least recently used first."""
-        leaves = [e for e in self.entries() if e.host is None and e.users == 0
-                  and all(c.host is not None for c in e.children.values())]
-        return sorted(leaves, key=lambda e: e.last_used)
+        fresh = {id(e): e for stamp, _, e in sorted(self._device_heap) if stamp == e.last_used and self._evictable(e)}
+        return list(fresh.values())
 
     def _release_device(self, entry: PrefixEntry) -> None:
         if entry.page is not None:
             self.pool.release_page(entry.page)
+            self.device_pages -= 1
         if entry.checkpoint is not None:
             self.pool.checkpoints.free([entry.checkpoint])
         entry.page = entry.checkpoint = None
 
     def drop(self, entry: PrefixEntry) -> None:
         """Removes a leaf entry from the cache, wherever its data is."""
-        del entry.parent.children[entry.tokens]
+        parent = entry.parent
+        del parent.children[entry.tokens]
         self._release_device(entry)
         if entry.host is not None:
             self.host_used -= entry.host.nbytes
             entry.host = None
+        self._offer(parent)
 
     def evict(self, entry: PrefixEntry) -> None:
         """Frees the entry's device page and checkpoint: its data moves to the host tier if that is on
@@ -177,6 +216,8 @@ class PrefixCache:
             self._release_device(entry)
             entry.host = copy
             self.host_used += copy.nbytes
+            self._offer(entry)
+            self._offer(entry.parent)
             self._trim_host(keep=entry)
             return
         self._drop_subtree(entry)
@@ -188,14 +229,22 @@ class PrefixCache:
         self.drop(entry)
 
     def _trim_host(self, keep: PrefixEntry) -> None:
-        while self.host_used > self.host_bytes:
-            leaves = sorted((e for e in self.entries() if e.host is not None and not e.children and e.users == 0
-                             and e is not keep), key=lambda e: e.last_used)
-            if not leaves:
-                if keep.host is not None and not keep.children and keep.users == 0:
-                    self.drop(keep)
-                return
-            self.drop(leaves[0])
+        """Drops host-tier leaves, least recently used first, until the tier fits its budget; `keep` (the
+        entry just evicted to it) goes last."""
+        kept = []
+        while self.host_used > self.host_bytes and self._host_heap:
+            item = heapq.heappop(self._host_heap)
+            stamp, _, e = item
+            if stamp != e.last_used or not self._droppable(e):
+                continue
+            if e is keep:
+                kept.append(item)
+                continue
+            self.drop(e)
+        for item in kept:
+            heapq.heappush(self._host_heap, item)
+        if self.host_used > self.host_bytes and self._droppable(keep):
+            self.drop(keep)
 
     def loaded(self, entry: PrefixEntry) -> None:
         """The entry's data is back on the device (its new page and checkpoint): the host copy goes."""
@@ -216,6 +265,7 @@ class PrefixCache:
         for entry in pages:
             entry.page = self.pool.pages.allocate(1)[0]
             self.pool.retain_page(entry.page)
+            self.device_pages += 1
         if checkpoint_on_host:
             hit.entry.checkpoint = self.pool.checkpoints.allocate(1)[0]
         reload = Reload(pages, hit.entry if checkpoint_on_host else None)
@@ -230,9 +280,11 @@ class PrefixCache:
             entry.loading = False
             if ok:
                 self.loaded(entry)
+                self._offer(entry)
                 continue
             if entry in reload.pages:
                 self.pool.release_page(entry.page)
+                self.device_pages -= 1
                 entry.page = None
             if entry is reload.checkpoint:
                 self.pool.checkpoints.free([entry.checkpoint])
@@ -251,26 +303,39 @@ class PrefixCache:
         """Evicts until `pages` pages and `checkpoints` checkpoints are free; whether they are. Evicts
         nothing if even evicting every unpinned entry would not free enough (an entry's page may be
         held by a running request too, and then evicting it frees none)."""
-        def short() -> bool:
-            return self.pool.pages.num_free < pages or self.pool.checkpoints.num_free < checkpoints
-
-        if not short():
+        free_pages, free_checkpoints = self.pool.pages.num_free, self.pool.checkpoints.num_free
+        if free_pages >= pages and free_checkpoints >= checkpoints:
             return True
-        unpinned = [e for e in self.entries() if e.users == 0 and e.host is None]
-        freeable_pages = sum(e.page is not None and self.pool.page_refs[e.page] == 1 for e in unpinned)
-        freeable_checkpoints = sum(e.checkpoint is not None for e in unpinned)
-        if (self.pool.pages.num_free + freeable_pages < pages
-                or self.pool.checkpoints.num_free + freeable_checkpoints < checkpoints):
+        victims = self._plan_eviction(pages - free_pages, checkpoints - free_checkpoints)
+        if victims is None:
             return False
-        while short():
-            leaves = self.evictable()
-            if not leaves:
-                return False
-            for e in leaves:
-                self.evict(e)
-                if not short():
-                    break
+        for e in victims:
+            self.evict(e)
         return True
+
+    def _plan_eviction(self, pages: int, checkpoints: int) -> list[PrefixEntry] | None:
+        """The entries to evict, least recently used first, to free `pages` pages and `checkpoints`
+        checkpoints; None (and the heap as it was) if evicting every candidate would not. An entry whose
+        last device child is planned becomes a candidate itself."""
+        victims, taken, gone = [], [], set()
+        while pages > 0 or checkpoints > 0:
+            if not self._device_heap:
+                for item in taken:
+                    heapq.heappush(self._device_heap, item)
+                return None
+            item = heapq.heappop(self._device_heap)
+            stamp, _, e = item
+            if e in gone or stamp != e.last_used or not self._evictable(e, gone):
+                continue
+            taken.append(item)
+            victims.append(e)
+            gone.add(e)
+            pages -= e.page is not None and self.pool.page_refs[e.page] == 1
+            checkpoints -= e.checkpoint is not None
+            parent = e.parent
+            if parent.parent is not None and self._evictable(parent, gone):
+                heapq.heappush(self._device_heap, (parent.last_used, next(self._order), parent))
+        return victims
 
     def entries(self) -> list[PrefixEntry]:
         found, stack = [], list(self.root.children.values())

@@ -273,10 +273,13 @@ def prometheus(loop: EngineLoop) -> str:
         lines.append(f"# TYPE inkling_{name} {kind}")
         lines.extend(f"inkling_{name}{labels} {value}" for labels, value in samples)
 
-    metric("requests_running", "gauge", "Requests holding a slot (prefilling or decoding).", [("", loop.running())])
-    metric("requests_waiting", "gauge", "Requests waiting for a slot.", [("", len(engine.waiting))])
-    metric("slots_free", "gauge", "Free slots in the state pool.", [("", engine.pool.slots.num_free)])
-    metric("pages_free", "gauge", "Free KV pages in the state pool.", [("", engine.pool.pages.num_free)])
+    now = engine.snapshot()
+    metric("requests_running", "gauge", "Requests holding a slot (prefilling or decoding).",
+           [("", now["running"] + now["prefilling"])])
+    metric("requests_waiting", "gauge", "Requests waiting for a slot.", [("", now["waiting"])])
+    metric("slots_free", "gauge", "Free slots in the state pool.", [("", now["slots_free"])])
+    metric("pages_free", "gauge", "Free KV pages in the state pool.", [("", now["pages_free"])])
+    metric("pages_cached", "gauge", "KV pages the prefix cache holds.", [("", now["pages_cached"])])
     metric("prompt_tokens_total", "counter", "Prompt tokens of requests that produced output.", [("", m.prompt_tokens)])
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", m.generation_tokens)])
     metric("requests_finished_total", "counter", "Requests finished, by reason.",

@@ -92,9 +92,10 @@ class EngineLoop:
             self._adding += 1
         try:
             with self._lock:
-                if len(self.engine.waiting) >= self.max_waiting:
+                waiting = self.engine.snapshot()["waiting"]
+                if waiting >= self.max_waiting:
                     self.metrics.rejected += 1
-                    raise QueueFull(f"{len(self.engine.waiting)} requests are waiting for a slot (max_waiting="
+                    raise QueueFull(f"{waiting} requests are waiting for a slot (max_waiting="
                                     f"{self.max_waiting}); retry shortly")
                 rid = self.engine.add_request(prompt, params)
                 sub = self._subs[rid] = Subscription(rid, loop)
@@ -141,7 +142,8 @@ class EngineLoop:
             sub.push(RuntimeError("the server is shutting down"))
 
     def running(self) -> int:
-        return len(self.engine.running) + len(self.engine.prefilling)
+        now = self.engine.snapshot()
+        return now["running"] + now["prefilling"]
 
     def _run(self) -> None:
         engine = self.engine

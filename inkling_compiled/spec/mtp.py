@@ -21,13 +21,13 @@ import itertools
 
 import torch
 
-from .attention import attend
-from .config import InklingConfig, LayerGeometry
-from .custom_ops.reference import packed_causal_conv
-from .errors import OptionError
-from .model import MtpHead
-from .speculative import Drafter
-from .streams import MODEL_STREAMS
+from ..attention import attend
+from ..config import InklingConfig, LayerGeometry
+from ..custom_ops.reference import packed_causal_conv
+from ..errors import OptionError
+from ..model import MtpHead
+from ..streams import MODEL_STREAMS
+from .drafter import Drafter
 
 
 @dataclasses.dataclass

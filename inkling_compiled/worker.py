@@ -1,0 +1,245 @@
+"""The worker: the model, the state pool, the step buffers and the runner, executing one `StepPlan` at a
+time. It decides nothing about which requests run; it is all that the other ranks of a tensor-parallel
+engine build.
+
+It sizes the pool from the engine's options (one memory budget split between slots, checkpoints and
+pages, or the pages asked for), compiles the decode step (and the verify step when drafts are
+verified), warms them up, keys the saved package, and pins the torch state the graphs are compiled for.
+On rank 0 of a tensor-parallel engine (`lead`) every plan and warm-up is sent to the other ranks first,
+which execute the same plan on their shards (`parallel/runtime.serve`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import msgspec
+import torch
+
+from . import custom_ops, graphs, torch_state
+from .backend import StepBackend
+from .cache import StatePool
+from .cache.budget import UnitCosts, split_budget
+from .cache.pool import each_layer
+from .checks import option_bool, option_int
+from .errors import OptionError
+from .graphs import Buckets, CompiledStep, choose_buckets, package
+from .kv_layout import pages_for
+from .model import InklingForCausalLM
+from .parallel.ranks import StepChannel
+from .runner import DecodeStep, Runner, VerifyStep
+from .step_plan import PoolEffect, Sampled, StepKind, StepPlan
+from .torch_state import PinnedTorchState
+
+# The engine's options a worker takes (a tensor-parallel rank gets these, and nothing else).
+WORKER_OPTIONS = ("compile", "max_batch_size", "max_model_len", "prefill_chunk_tokens", "page_size", "num_pages",
+                  "buckets", "compile_backend", "compile_mode", "compile_cache_dir", "cpp_wrapper", "graph_per_bucket",
+                  "specialize_batch_one", "compile_package", "layer_transfer", "prefix_cache", "prefix_checkpoints",
+                  "state_memory_bytes")
+
+
+class Worker:
+    def __init__(self, model: InklingForCausalLM, *, device: torch.device, compile: bool = True,
+                 max_batch_size: int = 32, max_model_len: int = 2048, prefill_chunk_tokens: int = 256,
+                 page_size: int = 16, num_pages: int | None = None, buckets: tuple[int, ...] | None = None,
+                 compile_backend: str = "inductor", compile_mode: str | None = None,
+                 compile_cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None,
+                 graph_per_bucket: bool = False, specialize_batch_one: bool = False, compile_package: bool = True,
+                 layer_transfer: bool = False, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
+                 state_memory_bytes: int | None = None, draft_tokens: int = 0, with_hidden: bool = False,
+                 tensor_parallel: bool = False):
+        config = model.config
+        self.model, self.config, self.device = model, config, device
+        for name, flag in (("compile", compile), ("graph_per_bucket", graph_per_bucket),
+                           ("specialize_batch_one", specialize_batch_one), ("layer_transfer", layer_transfer),
+                           ("prefix_cache", prefix_cache)):
+            option_bool(name, flag)
+        self.max_batch_size = option_int("max_batch_size", max_batch_size)
+        self.max_model_len = option_int("max_model_len", max_model_len, 2)
+        page_size = option_int("page_size", page_size)
+        # Prompt tokens one step prefills (all requests together): a long prompt takes several steps,
+        # and no step's prefill is longer than this, so decoding requests keep their pace.
+        # (never more than every slot's whole context: the metadata buffers are sized for it)
+        self.prefill_chunk_tokens = min(option_int("prefill_chunk_tokens", prefill_chunk_tokens),
+                                        self.max_batch_size * self.max_model_len)
+        bucket_sizes = choose_buckets(max_batch_size, buckets)  # checked whether or not they are compiled
+        self.buckets = Buckets(bucket_sizes if compile else None)
+        dtype = model.lm_head.weight.dtype
+        self.unit_costs = UnitCosts.of(config, page_size, dtype, draft_tokens)
+        num_pages, checkpoints = self._pool_sizes(page_size, num_pages, prefix_cache, prefix_checkpoints,
+                                                  state_memory_bytes)
+        self.pool = StatePool(config, max_slots=max_batch_size, num_pages=num_pages, page_size=page_size,
+                              max_pages_per_seq=pages_for(max_model_len, page_size), dtype=dtype, device=device,
+                              layer_transfer=layer_transfer, checkpoints=checkpoints,
+                              spec_draft_tokens=draft_tokens + 1 if draft_tokens else 0)
+        self.backend = StepBackend(self.pool, config, max_batch_size=max_batch_size,
+                                   max_tokens=self.prefill_chunk_tokens, device=device, draft_tokens=draft_tokens)
+        self.draft_tokens = draft_tokens
+        compile_package = option_bool("compile_package", compile_package)
+        steps: dict[StepKind, CompiledStep | None] = {kind: None for kind in StepKind}
+        if compile:
+            options = dict(device=device, buckets=bucket_sizes, compile_backend=compile_backend, mode=compile_mode,
+                           cache_dir=compile_cache_dir, cpp_wrapper=False if tensor_parallel else cpp_wrapper,
+                           guarded_sources=DecodeStep.GUARDED_SOURCES)
+            # The decode step saved whole in the compile cache, for later processes to load instead of
+            # tracing (graphs/package.py); not under tensor parallelism or with a HiCache barrier.
+            key = self.package_key() if compile_package and not tensor_parallel and not layer_transfer else None
+            decoder = steps[StepKind.DECODE] = CompiledStep(
+                DecodeStep(model, self.backend), self.backend.prepare_padding, graph_per_bucket=graph_per_bucket,
+                specialize_batch_one=specialize_batch_one, package_key=key, **options)
+            # A loaded package traces nothing, and its guards expect the metadata's slices unmarked; if it
+            # is dropped for tracing after all, the slices are marked again.
+            buffers = self.backend.buffers
+            buffers.symbolic_batch = None if decoder.load_package() else decoder.symbolic_batch
+            decoder.on_unpackage = lambda: buffers.mark_for_tracing(decoder.symbolic_batch)
+            if draft_tokens:  # verify graphs: static, one per bucket (for this K)
+                steps[StepKind.VERIFY] = CompiledStep(VerifyStep(model, self.backend, with_hidden),
+                                                      self.backend.prepare_verify_padding, graph_per_bucket=True,
+                                                      **options)
+        self.runner = Runner(model, self.backend, steps, with_hidden)
+        # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
+        self.torch_state = PinnedTorchState()
+        self.ranks = None  # the other ranks, on rank 0 of a tensor-parallel engine once it leads them
+
+    def _pool_sizes(self, page_size: int, num_pages, prefix_cache: bool, prefix_checkpoints, state_memory_bytes
+                    ) -> tuple[int, int]:
+        """(pages including the dummy, prefix checkpoints) the options ask for."""
+        # At least one: a cache that can keep no state at any boundary could never be resumed from.
+        checkpoints = None if prefix_checkpoints is None else option_int("prefix_checkpoints", prefix_checkpoints, 1)
+        checkpoints = checkpoints if prefix_cache else 0
+        if state_memory_bytes is not None:  # one budget: slots first, then checkpoints, then pages
+            if num_pages is not None:
+                raise OptionError("give num_pages or state_memory_bytes, not both: the budget decides the pages")
+            num_pages, checkpoints = split_budget(
+                self.unit_costs, option_int("state_memory_bytes", state_memory_bytes),
+                max_batch_size=self.max_batch_size, checkpoints=checkpoints, min_pages=pages_for(2, page_size))
+        if num_pages is None:  # every slot can hold a full-length request
+            num_pages = self.max_batch_size * pages_for(self.max_model_len, page_size) + 1
+        option_int("num_pages", num_pages, 2)  # one of them is the dummy
+        if pages_for(2, page_size) > num_pages - 1:  # not even a one-token prompt and one new token fit
+            raise OptionError(f"num_pages={num_pages} holds no request: a 2-token request needs "
+                              f"{pages_for(2, page_size)} pages of {page_size} beside the dummy")
+        return num_pages, 4 * self.max_batch_size if checkpoints is None else checkpoints
+
+    @property
+    def decoder(self) -> CompiledStep | None:
+        return self.runner.steps[StepKind.DECODE]
+
+    @property
+    def verifier(self) -> CompiledStep | None:
+        return self.runner.steps[StepKind.VERIFY]
+
+    def package_key(self) -> tuple:
+        """Everything the decode graph holds as a constant: our sources, the model and its weights' layout,
+        the dtype, the page size, the ring's length, each state tensor's per-row shape and the torch state
+        the steps are pinned to. The pool's sizes are symbols, so they are not in it."""
+        pool = self.pool
+        return (package.source_hash(sys.modules[__package__], custom_ops, graphs), repr(self.config),
+                str(self.model.lm_head.weight.dtype), pool.page_size, pool.ring_size,
+                [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())],
+                [(tuple(p.shape), p.stride(), str(p.dtype)) for p in self.model.parameters()],
+                [(name, repr(get())) for name, (get, _) in torch_state.SETTINGS.items()])
+
+    # ---- running plans ------------------------------------------------------------------------------
+
+    def lead(self, ranks) -> None:
+        """Rank 0 of a tensor-parallel engine: from now on every plan, warm-up and report request goes to
+        the other ranks first."""
+        self.ranks = ranks
+
+    def _send(self, header: dict, data: bytes | None = None) -> None:
+        if self.ranks is not None:
+            self.ranks.check()
+            self.ranks.channel.send(header, data)
+
+    def execute(self, plan: StepPlan, to_host: bool = True) -> tuple[Sampled | None, torch.Tensor | None]:
+        """Runs the plan's forward: (what it sampled, on the host, when any row takes a token; the hidden
+        states, when the plan asks for them)."""
+        self._send({"op": "step"}, msgspec.msgpack.encode(plan))
+        with self.torch_state.pinned(), self.backend.context.taking_checkpoints(plan.checkpoints):
+            out = self.runner.run(plan)
+        takes = plan.kind is not StepKind.EXTEND or any(plan.sampled)
+        return (out.sampled(plan.top_logprobs) if to_host and takes else None), out.hidden
+
+    def apply_journal(self, journal: list[PoolEffect]) -> None:
+        """Rank 0's pool writes since its previous plan, made to this rank's pool."""
+        for effect in journal:
+            if effect.name not in StatePool.EFFECTS:
+                raise ValueError(f"unknown pool effect {effect.name!r}")
+            getattr(self.pool, effect.name)(*effect.args)
+
+    def warm_up(self, buckets: Sequence[int] | None = None, progress=None) -> dict[int, float]:
+        """Compiles (or loads) the compiled steps' graphs for `buckets` (default all); seconds per bucket."""
+        decoder, verifier = self.decoder, self.verifier
+        if decoder is None:
+            return {}
+        if buckets is not None:
+            buckets = tuple(buckets)
+            if any(b not in decoder.buckets for b in buckets):
+                raise OptionError(f"buckets {buckets!r} are not all among the engine's buckets {decoder.buckets}")
+        self._send({"op": "warm_up", "buckets": buckets})  # every rank compiles the same graphs, collectives and all
+        with self.torch_state.pinned():
+            seconds = decoder.warmup(progress=progress, buckets=buckets)
+            if verifier is not None:
+                verify = verifier.warmup(progress=progress and (lambda message, done, total: progress(
+                    message.replace("decode step", f"verify step (K={self.draft_tokens})"), done, total)),
+                    buckets=buckets)
+                seconds = {b: seconds[b] + verify.get(b, 0.0) for b in seconds}
+        return seconds
+
+    # ---- reports ----------------------------------------------------------------------------------------
+
+    def rank_report(self, rank: int = 0) -> dict:
+        """This rank's share: its rank, parameters held (count and bytes, and each one's shape), and the
+        census of every graph its compile backend recorded (a `graphs.GraphRecorder` backend)."""
+        from .graphs.census import census
+
+        params = dict(self.model.named_parameters())
+        recorder = getattr(self.decoder, "compiler", None)
+        return {"rank": rank, "parameters": sum(p.numel() for p in params.values()),
+                "parameter_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+                "shapes": {name: tuple(p.shape) for name, p in params.items()},
+                "graphs": [census(gm) for gm in getattr(recorder, "graphs", [])]}
+
+    def reports(self) -> list[dict]:
+        """`rank_report()` of every rank, rank 0 first."""
+        if self.ranks is None:
+            return [self.rank_report()]
+        self._send({"op": "report"})
+        return StepChannel.gather(self.rank_report(self.ranks.rank))
+
+    def memory_report(self, drafter_bytes: int = 0) -> dict[str, int]:
+        """Bytes of each part of what the worker holds, and how many units of each the pool has."""
+        pool, buffers = self.pool, self.backend.buffers
+
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "weights": size(self.model.parameters()),
+            "slot conv windows": size(each_layer(pool.conv.values())),
+            "slot sliding rings": size(each_layer(pool.sliding_kv)),
+            "KV pages": size(each_layer(pool.global_kv)),
+            "prefix checkpoints": size([*pool.conv_checkpoints.values(), *pool.ring_checkpoints]),
+            "draft windows": size(pool.draft_windows()),
+            "drafter state": drafter_bytes,
+            "step metadata": sum(r.bytes.numel() for r in (buffers.decode_region, buffers.prefill_region,
+                                                            buffers.verify_region) if r is not None),
+            "slots": pool.max_slots, "pages": pool.num_pages - 1, "page_size": pool.page_size,
+            "checkpoints": pool.checkpoints.capacity,
+        }
+
+
+def memory_summary(r: dict[str, int]) -> str:
+    """A `memory_report()` as one line (what start-up prints)."""
+    def mib(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB"
+
+    return (f"memory: weights {mib(r['weights'])}; {r['slots']} slots "
+            f"{mib(r['slot conv windows'] + r['slot sliding rings'])}; {r['pages']} KV pages of "
+            f"{r['page_size']} tokens {mib(r['KV pages'])}; {r['checkpoints']} prefix checkpoints "
+            f"{mib(r['prefix checkpoints'])}; step metadata {r['step metadata'] / 1024:.0f} KiB"
+            + (f"; speculative state {mib(r['draft windows'] + r['drafter state'])}"
+               if r["draft windows"] + r["drafter state"] else ""))
