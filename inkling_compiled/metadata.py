@@ -215,21 +215,6 @@ class StepBuffers:
             setattr(md, name, view)
         return md
 
-    def export(self) -> tuple[tuple[str, int, int], np.ndarray]:
-        """The step last prepared, to be loaded into another rank's buffers: ((kind, rows, tokens), the
-        host bytes it uses)."""
-        kind, rows, tokens = self.last_step
-        region = self._region(kind)
-        return self.last_step, region.staging.numpy()[:region.used(tokens)]
-
-    def load(self, step: tuple[str, int, int], data: np.ndarray) -> StepMetadata:
-        """Another rank's exported step, made this one's (what `prepare_*` would have written)."""
-        kind, rows, tokens = step
-        region = self._region(kind)
-        region.writable()
-        region.staging.numpy()[:len(data)] = data
-        return self._publish(kind, rows, tokens)
-
     def mark_for_tracing(self, batch: range | None) -> None:
         """From now on decode slices are marked for `batch` (see `symbolic_batch`): the slices kept so far
         are dropped, and the step last prepared is published again on new, marked ones."""
