@@ -211,7 +211,8 @@ class Engine:
         stages = StageLog(self._progress)
         t0 = time.perf_counter()
         with self._lock:
-            self._check_open()
+            if self.worker.ranks is not None:
+                self._check_open()
             try:
                 seconds = self.worker.warm_up(buckets, progress=stages)
             except BaseException as e:
@@ -353,53 +354,59 @@ class Engine:
             advanced = self._advance()
         unowned = []
         for req in advanced:
-            out = req.output_since_reported(self.tokenizer)
-            owner = self._owners.get(out.request_id)
+            owner = self._owners.get(req.request_id)
             if owner is None:
-                unowned.append(out)
-            elif out.finished:
-                owner[out.request_id] = out
-                del self._owners[out.request_id]
-                self._known.discard(out.request_id)
+                unowned.append(req.output_since_reported(self.tokenizer))
+            elif req.finish_reason is not None:  # a generate() call takes only the final output
+                owner[req.request_id] = req.output_since_reported(self.tokenizer)
+                del self._owners[req.request_id]
+                self._known.discard(req.request_id)
         return unowned
 
     def _advance(self) -> list[Request]:
         """The requests this step advanced or finished, each once."""
         stepped: list[Request] = []
         try:
-            for batch in self.scheduler.decode_batches():
-                self._forward(batch, lambda batch=batch: self.scheduler.decode_plan(
-                    batch, self.drafter.propose(batch) if self.drafter is not None else None), stepped)
+            running = list(self.scheduler.running)
+            if running:
+                self._forward(running, lambda: self.scheduler.decode_plans(
+                    running, self.drafter.propose(running) if self.drafter is not None else None), stepped)
             # after the decode, so the slots it freed are reused at once
-            self._forward(None, self.scheduler.extend_plan, stepped)
+            self._forward(None, self.scheduler.extend_plans, stepped)
         except BaseException:  # an interrupt: what finished in this step is delivered with the next one
             self._finished += [r for r in stepped if r.finish_reason is not None]
             raise
         advanced, self._finished = self._finished + stepped, []
         return list(dict.fromkeys(advanced))
 
-    def _forward(self, batch: list[Request] | None, plan_of, stepped: list[Request]) -> None:
-        """One planned forward, contained: if drafting, the forward or recording its tokens raises, the
-        plan's requests fail (their pool state may be half-written) and are freed, and the engine carries
-        on. An interrupt (KeyboardInterrupt, SystemExit) fails them the same way, then propagates."""
-        plan, reqs, error = None, batch or [], None
+    def _forward(self, batch: list[Request] | None, plans_of, stepped: list[Request]) -> None:
+        """One forward of the running requests (`batch`: a plan per bucket-sized piece) or of the prompts
+        being prefilled (one extend plan), contained: if drafting, a forward or recording its tokens raises,
+        the requests fail (their pool state may be half-written) and are freed, and the engine carries on.
+        An interrupt (KeyboardInterrupt, SystemExit) fails them the same way, then propagates."""
+        plans, reqs, error = [], list(batch or []), None
         try:
-            plan = plan_of()
+            plans = plans_of()
         except BaseException as e:
-            if batch is None:  # admission itself failed: not a request's fault
+            if batch is None:  # admission itself failed, not a request: loads it started still finish
+                self.cache.finish_loads()
                 raise
             error = e
-        if plan is not None:
-            reqs = self.scheduler.requests_of(plan)
-            extend = plan.kind is StepKind.EXTEND
+        extend = bool(plans) and plans[0].kind is StepKind.EXTEND
+        if plans:
+            rows = [self.scheduler.requests_of(plan) for plan in plans]
+            reqs = [r for plan_rows in rows for r in plan_rows]
             with self.cache.host_loads() if extend else contextlib.nullcontext():
                 try:
-                    sampled, hidden = self._execute(plan, reqs)
-                    emitted = self.scheduler.record(plan, reqs, sampled) if sampled is not None else []
-                    if self.drafter is not None and extend:
-                        self.drafter.observe_prefill(reqs, [len(t) for t in plan.tokens], hidden)
-                    elif self.drafter is not None:
-                        self.drafter.observe_tokens(reqs, emitted, hidden)
+                    results = [self._execute(plan, plan_rows) for plan, plan_rows in zip(plans, rows)]
+                    for plan, plan_rows, (sampled, hidden) in zip(plans, rows, results):
+                        emitted = self.scheduler.record(plan, plan_rows, sampled) if sampled is not None else []
+                        if self.drafter is not None and extend:
+                            self.drafter.observe_prefill(plan_rows, [len(t) for t in plan.tokens], hidden)
+                        elif self.drafter is not None:
+                            self.drafter.observe_tokens(plan_rows, emitted, hidden)
+                    if not extend:
+                        self.scheduler.count_step(plans[0].kind)
                 except BaseException as e:
                     if self._closed is not None:  # a tensor-parallel engine stopped every rank
                         raise
@@ -407,7 +414,7 @@ class Engine:
                     for req in reqs:
                         req.fail(f"{type(e).__name__}: {e}")
                 if extend:  # prefilled pages enter the prefix cache before any slot goes back
-                    self.scheduler.finish_extend(plan, reqs)
+                    self.scheduler.finish_extend(plans[0], reqs)
         if error is not None:
             if self.ranks is not None and self.ranks.dead():
                 self._raise_stopped(reqs, error)
@@ -416,9 +423,10 @@ class Engine:
             for req in reqs:
                 req.fail(f"{type(error).__name__}: {error}")
             stepped.extend(reqs)
-        elif plan is not None:  # decode rows, and extend rows that end their prompt, took a token
-            stepped.extend(r for r, takes in zip(reqs, plan.sampled) if takes) if plan.kind is StepKind.EXTEND \
-                else stepped.extend(reqs)
+        elif extend:  # rows that end their prompt took a token
+            stepped.extend(r for r, takes in zip(reqs, plans[0].sampled) if takes)
+        else:
+            stepped.extend(reqs)
         for req in reqs:  # finished: slot and pages go back before anything else runs
             if req.finish_reason is not None and self.scheduler.get(req.request_id) is req:
                 self._release(req)

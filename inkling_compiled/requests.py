@@ -97,10 +97,12 @@ class IncrementalText:
         self.tokenizer = tokenizer
         self.prefix = self.read = 0  # tokens[prefix:read] are the window's already-returned context
 
-    def advance(self, tokens: list[int]) -> str:
+    def advance(self, tokens: list[int], final: bool = False) -> str:
+        """The text `tokens` add past what earlier calls returned; `final` also gives out a character that
+        is still missing bytes (the request ends there)."""
         before = self.tokenizer.decode(tokens[self.prefix:self.read])
         now = self.tokenizer.decode(tokens[self.prefix:])
-        if len(now) <= len(before) or now.endswith("\ufffd"):
+        if now.endswith("\ufffd") and not final:
             return ""
         self.prefix, self.read = self.read, len(tokens)
         return now[len(before):]
@@ -163,7 +165,8 @@ class Request:
         if tokenizer is not None:
             if self.text is None:
                 self.text = IncrementalText(tokenizer)
-            new_text = self.text.advance(self.output) if len(self.output) > self.reported else ""
+            new_text = self.text.advance(self.output, final=self.finish_reason is not None) \
+                if len(self.output) > self.reported else ""
         out = RequestOutput(self, self.reported, new_text, tokenizer)
         self.reported = len(self.output)
         return out

@@ -76,14 +76,11 @@ class Scheduler:
 
     # ---- plans ------------------------------------------------------------------------------------
 
-    def decode_batches(self) -> list[list[Request]]:
-        """The running requests in batches the compiled steps take (each at most the largest bucket)."""
-        return self.buckets.split(list(self.running)) if self.running else []
-
-    def decode_plan(self, batch: list[Request], drafts: list[list[int] | None] | None) -> StepPlan:
-        """A decode plan for the batch, or a verify plan when the drafter guessed for any row (or needs
-        the hidden states only verify steps return). Drafts are clipped to K tokens, end before any token
-        past the logits (it could never be the target's), and are padded with stand-ins."""
+    def decode_plans(self, batch: list[Request], drafts: list[list[int] | None] | None) -> list[StepPlan]:
+        """The running requests' forward: decode plans, or verify plans when the drafter guessed for any
+        row (or needs the hidden states only verify steps return), one per bucket-sized piece of the batch
+        (each at most the largest bucket). Drafts are clipped to K tokens, end before any token past the
+        logits (it could never be the target's), and are padded with stand-ins."""
         K = self.draft_tokens
         if drafts is not None:
             full = []
@@ -96,10 +93,17 @@ class Scheduler:
                 req.drafted = len(draft)
                 full.append(draft + [req.output[-1]] * (K - len(draft)))  # stand-ins, never accepted
             if any(r.drafted for r in batch) or self.drafter_needs_hidden:
-                return self._plan(StepKind.VERIFY, batch, [[r.output[-1], *d] for r, d in zip(batch, full)],
-                                  [r.cached_len for r in batch], limits=[r.budget for r in batch],
-                                  drafted=[r.drafted for r in batch], with_hidden=self.drafter_needs_hidden)
-        return self._plan(StepKind.DECODE, batch, [[r.output[-1]] for r in batch], [r.cached_len for r in batch])
+                draft_of = dict(zip(batch, full))
+                return [self._plan(StepKind.VERIFY, piece, [[r.output[-1], *draft_of[r]] for r in piece],
+                                   [r.cached_len for r in piece], limits=[r.budget for r in piece],
+                                   drafted=[r.drafted for r in piece], with_hidden=self.drafter_needs_hidden)
+                        for piece in self.buckets.split(batch)]
+        return [self._plan(StepKind.DECODE, piece, [[r.output[-1]] for r in piece], [r.cached_len for r in piece])
+                for piece in self.buckets.split(batch)]
+
+    def extend_plans(self) -> list[StepPlan]:
+        plan = self.extend_plan()
+        return [plan] if plan is not None else []
 
     def extend_plan(self) -> StepPlan | None:
         """The prompt tokens to prefill now, within the step's budget; None if there are none. Prompts
@@ -171,10 +175,13 @@ class Scheduler:
                 self.counters["spec_proposed"] += req.drafted
                 self.counters["spec_accepted"] += taken
         c = self.counters
-        c["verify_steps" if plan.kind is StepKind.VERIFY else "decode_steps"] += 1
         c["row_steps"] += len(reqs)
         c["decode_tokens"] += sum(emitted)
         return emitted
+
+    def count_step(self, kind: StepKind) -> None:
+        """One decode (or verify) step of the running requests, however many plans it took."""
+        self.counters["verify_steps" if kind is StepKind.VERIFY else "decode_steps"] += 1
 
     def finish_extend(self, plan: StepPlan, reqs: list[Request]) -> None:
         """After an extend forward, failed or not: the prefilled pages enter the prefix cache; the rows

@@ -13,6 +13,7 @@ from inkling_compiled.graphs import DEFAULT_BUCKETS, GraphRecorder, census
 from inkling_compiled.graphs.dump import pool_copies_in_code, pool_shapes, pool_symbols
 from inkling_compiled.sampling import SamplingParams
 from inkling_compiled.spec import Drafter
+from inkling_compiled.step_plan import StepKind
 from inkling_compiled.streams import STREAM_NAMES
 
 from conftest import PARITY_CONFIGS, PARITY_LENGTHS, random_prompt
@@ -381,10 +382,12 @@ def test_step_never_reads_a_layer_before_its_transfer(compile, barrier, verify, 
     layers = range(engine.config.num_hidden_layers)
     host_copy = [[t.clone() for t in engine.worker.pool.layer_state(i)] for i in layers]
     reference = engine.step()[0]
+    # an output reads the request's lists when asked: keep what this one says before they are rewound
+    want_tokens, want_logprobs = list(reference.token_ids), list(reference.logprobs)
     assert engine.stats()["verify_steps"] == int(verify)
 
     # rewind: restore the state, forget the step's tokens, then wipe every layer and load it back late
-    for _ in range(len(reference.token_ids) - 1):
+    for _ in range(len(want_tokens) - 1):
         req.output.pop(), req.logprobs.pop()
     for layer in layers:
         for t in engine.worker.pool.layer_state(layer):
@@ -395,7 +398,7 @@ def test_step_never_reads_a_layer_before_its_transfer(compile, barrier, verify, 
     out = engine.step()[0]
     counter.thread.join()
     assert out.request_id == rid
-    assert out.token_ids == reference.token_ids and out.logprobs == reference.logprobs
+    assert out.token_ids == want_tokens and out.logprobs == want_logprobs
     assert list(dict.fromkeys(layer for layer, _ in counter.waits)) == list(layers)  # first waits in layer order
     assert counter.waits[0][1], "the first wait should have had to block"
     if compile:  # one wait per layer: the graph's barrier, or the wait before the replay
@@ -448,3 +451,32 @@ def test_serving_survives_libraries_registering_pytree_nodes_after_warm_up(check
     finally:
         torch.utils._pytree._deregister_pytree_node(Late)
     assert out.token_ids == want
+
+
+def test_a_batch_past_the_largest_bucket_is_one_step_of_several_replays(checkpoint):
+    """Four running requests over buckets (1, 2): each step replays bucket 2 twice, counts one decode step,
+    and a fault in the second replay fails the whole batch (as one forward would), none of its tokens kept."""
+    engine = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 2), compile_backend="eager")
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = Engine.from_pretrained(checkpoint("tiny"), compile=False, progress=False).generate(
+        [[5 + i, 6, 7] for i in range(4)], params)
+    outs = engine.generate([[5 + i, 6, 7] for i in range(4)], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert engine.stats()["decode_steps"] == 3  # the first token comes from the prefill
+
+    run, replays = engine.worker.runner.run, []
+
+    def second_replay_fails(plan):
+        if plan.kind is StepKind.DECODE:
+            replays.append(plan.rows)
+            if len(replays) == 2:
+                raise RuntimeError("injected fault")
+        return run(plan)
+
+    engine.worker.runner.run = second_replay_fails
+    rids = [engine.add_request([9, 8, 7 + i], params) for i in range(4)]
+    final = {}
+    while engine.has_unfinished():
+        final.update((o.request_id, o) for o in engine.step())
+    assert replays[:2] == [2, 2] and {final[r].finish_reason for r in rids} == {"error"}
+    assert all(len(final[r].token_ids) == 1 for r in rids)  # the prefill's token only

@@ -370,3 +370,29 @@ def test_a_failed_host_load_fails_its_request_and_leaves_the_entries_on_the_host
     assert_matches(hf_greedy, "tiny", prompt, out)
     assert_no_leaks(engine)
     assert_cleared(engine)
+
+
+def test_eviction_goes_in_rounds_leaves_first():
+    """Under a full pool the cache evicts the leaves there are, least recently used first, before the
+    entries their eviction exposes: a parent used more recently than another leaf still goes after it."""
+    from inkling_compiled.cache import StatePool
+    from inkling_compiled.cache.prefix import PrefixCache
+    from inkling_compiled.config import InklingConfig
+    from inkling_compiled.tiny import TINY_CONFIGS
+
+    config = InklingConfig.from_dict({"model_type": "inkling_text", **TINY_CONFIGS["tiny"]})
+    pool = StatePool(config, max_slots=2, num_pages=5, page_size=4, max_pages_per_seq=3, dtype=torch.float32)
+    cache = PrefixCache(pool)
+    a, b = [3, 4, 5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26, 27, 28]
+
+    def cache_prompt(rid, prompt, pages):
+        pool.allocate(rid, 4 * pages)
+        cache.insert(prompt, pages, pool.pages_of[rid], {})
+        pool.free(rid)
+
+    cache_prompt("a", a, 2)  # a's two pages, used at time 1
+    cache_prompt("a1", a[:4] + [99], 1)  # a's first page used again: time 2
+    cache_prompt("b", b, 2)  # b's two pages: time 3; the pool is full
+    assert pool.pages.num_free == 0 and cache.make_room(pages=2)
+    assert cache.entry_at(a, 1) is not None and cache.entry_at(b, 1) is not None
+    assert cache.entry_at(a, 2) is None and cache.entry_at(b, 2) is None

@@ -137,9 +137,11 @@ def run(scheduler: Scheduler, worker: ScriptedWorker, arrivals: dict[int, list[R
             req = scheduler.get(aborts[step])
             scheduler.abort(req)
             finished[req.request_id] = req
-        for batch in scheduler.decode_batches():
-            plan = scheduler.decode_plan(batch, drafter.propose(batch) if drafter else None)
-            assert plan.bucket == scheduler.buckets.bucket_for(len(batch)) and len(batch) <= 4
+        batch = list(scheduler.running)
+        plans = scheduler.decode_plans(batch, drafter.propose(batch) if drafter else None) if batch else []
+        assert len({p.kind for p in plans}) <= 1 and sum(p.rows for p in plans) == len(batch)
+        for plan in plans:
+            assert plan.bucket == scheduler.buckets.bucket_for(plan.rows) and plan.rows <= 4
             reqs = scheduler.requests_of(plan)
             scheduler.record(plan, reqs, worker.execute(plan))
             for req in reqs:

@@ -383,7 +383,7 @@ def test_commit_takes_slots_from_the_verify_batch_not_the_step_buffers(checkpoin
     reqs = list(engine.scheduler.running)
     runner, pool = engine.worker.runner, engine.worker.pool
     verify_rows, others = reqs[:2], reqs[2:]
-    plan = engine.scheduler.decode_plan(verify_rows, [[3, 4], [5, 6]])
+    (plan,) = engine.scheduler.decode_plans(verify_rows, [[3, 4], [5, 6]])
     runner.prepare(plan)
     slots = plan.slots
     with torch.inference_mode():

@@ -11,9 +11,10 @@ A request whose prompt starts with a cached prefix resumes from the deepest entr
 a checkpoint and leaves at least one prompt token to prefill: it shares the pages above that boundary,
 copies the checkpoint into its own slot, and prefills the rest. Entries a running request started from
 are pinned (`users`); the others are evicted leaf first, least recently used first, when pages or
-checkpoints run short. The candidates come from a heap ordered by last use, offered whenever an entry
-may have become one (unpinned, a new leaf, a child evicted) and checked when taken, so that evicting
-costs what it evicts, not a walk of the whole tree.
+checkpoints run short, in rounds: the current leaves least recently used first, then the entries their
+eviction exposed. The candidates come from a heap ordered by last use, offered whenever an entry may
+have become one (unpinned, a new leaf, a child evicted) and checked when taken, so that evicting costs
+what it evicts, not a walk of the whole tree.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class PrefixCache:
         self._host_heap: list[tuple[int, int, PrefixEntry]] = []
         self._order = itertools.count()
         self.device_pages = 0  # KV pages the cache's entries hold on the device
+        self.size = 0  # entries in the tree
 
     def _page(self, prompt: list[int], i: int) -> tuple[int, ...]:
         return tuple(prompt[i * self.page_size:(i + 1) * self.page_size])
@@ -119,22 +121,26 @@ class PrefixCache:
         return e.parent is not None and e.parent.children.get(e.tokens) is e
 
     def _evictable(self, e: PrefixEntry, gone: set | frozenset = frozenset()) -> bool:
-        """On the device, unpinned, and every child on the host tier (or in `gone`, evictions planned)."""
-        return (e.host is None and e.users == 0 and self._attached(e)
+        """On the device, unpinned, not loading, and every child on the host tier (or in `gone`, evictions
+        planned)."""
+        return (e.host is None and e.users == 0 and not e.loading and self._attached(e)
                 and all(c.host is not None or c in gone for c in e.children.values()))
 
     def _droppable(self, e: PrefixEntry) -> bool:
-        """On the host tier, unpinned, a leaf."""
-        return e.host is not None and e.users == 0 and not e.children and self._attached(e)
+        """On the host tier, unpinned, not loading, a leaf."""
+        return e.host is not None and e.users == 0 and not e.loading and not e.children and self._attached(e)
 
     def _offer(self, e: PrefixEntry | None) -> None:
         """The entry may have become a candidate: onto the heap of its tier if it is one."""
         if e is None or e.parent is None:
             return
-        if self._evictable(e):
-            heapq.heappush(self._device_heap, (e.last_used, next(self._order), e))
-        elif self._droppable(e):
-            heapq.heappush(self._host_heap, (e.last_used, next(self._order), e))
+        for heap, fits in ((self._device_heap, self._evictable), (self._host_heap, self._droppable)):
+            if fits(e):
+                heapq.heappush(heap, (e.last_used, next(self._order), e))
+                if len(heap) > 2 * self.size + 64:  # mostly stale items (hits re-offer): keep the fresh ones
+                    heap[:] = list({id(x): (stamp, order, x) for stamp, order, x in heap
+                                    if stamp == x.last_used and fits(x)}.values())
+                    heapq.heapify(heap)
 
     def entry_at(self, prompt: list[int], pages: int) -> PrefixEntry | None:
         """The entry of the first `pages` full pages of `prompt`, if cached."""
@@ -163,6 +169,7 @@ class PrefixCache:
                     self.pool.retain_page(page)
                     self.device_pages += 1
                 child = entry.children[key] = PrefixEntry(entry, key, i + 1, page)
+                self.size += 1
             checkpoint = checkpoints.pop(i + 1, None)
             if child.host is not None and not child.loading and (checkpoint is not None or child.host.conv is None):
                 # on the host tier, and this request has the same data on the device: adopt it
@@ -202,6 +209,7 @@ class PrefixCache:
         """Removes a leaf entry from the cache, wherever its data is."""
         parent = entry.parent
         del parent.children[entry.tokens]
+        self.size -= 1
         self._release_device(entry)
         if entry.host is not None:
             self.host_used -= entry.host.nbytes
@@ -317,8 +325,12 @@ class PrefixCache:
         """The entries to evict, least recently used first, to free `pages` pages and `checkpoints`
         checkpoints; None (and the heap as it was) if evicting every candidate would not. An entry whose
         last device child is planned becomes a candidate itself."""
-        victims, taken, gone = [], [], set()
+        victims, taken, gone, exposed = [], [], set(), []
         while pages > 0 or checkpoints > 0:
+            if not self._device_heap and exposed:  # this round's leaves are used: the parents they exposed next
+                for item in exposed:
+                    heapq.heappush(self._device_heap, item)
+                exposed = []
             if not self._device_heap:
                 for item in taken:
                     heapq.heappush(self._device_heap, item)
@@ -334,8 +346,8 @@ class PrefixCache:
             checkpoints -= e.checkpoint is not None
             parent = e.parent
             if parent.parent is not None and self._evictable(parent, gone):
-                heapq.heappush(self._device_heap, (parent.last_used, next(self._order), parent))
-        return victims
+                exposed.append((parent.last_used, next(self._order), parent))
+        return victims  # (the evictions offer the parents they expose: see drop and evict)
 
     def entries(self) -> list[PrefixEntry]:
         found, stack = [], list(self.root.children.values())
