@@ -86,7 +86,7 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
                                                     max_model_len=prompt_len + new_tokens + 1,
                                                     prefill_chunk_tokens=max(batches) * prompt_len, progress=False)
                 if kind == "compiled":
-                    results.setdefault("compile_s", {})[name] = ours[kind].decoder.compile_seconds
+                    results.setdefault("compile_s", {})[name] = ours[kind].worker.decoder.compile_seconds
             hf = None
             if "transformers" in engines:
                 from transformers import InklingForCausalLM

@@ -18,11 +18,9 @@ import contextlib
 import inspect
 import itertools
 import logging
-import os
 import random
 import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Sequence
 
@@ -36,8 +34,7 @@ from .errors import InklingError, OptionError, RequestError
 from .loading import load_model, resolve_device
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
-from .parallel import runtime
-from .parallel.group import check_divisible
+from .parallel import launch
 from .parallel.ranks import ParallelError, Ranks
 from .progress import StageLog
 from .requests import Request, RequestOutput, prompt_ids, prompt_list
@@ -46,7 +43,7 @@ from .scheduler import Scheduler
 from .spec import MAX_SPECULATIVE_TOKENS, make_drafter
 from .step_plan import StepKind, StepPlan
 from .tokenizer import TextTokenizer
-from .worker import WORKER_OPTIONS, Worker, memory_summary
+from .worker import Worker, memory_summary
 
 log = logging.getLogger("inkling_compiled")
 
@@ -82,8 +79,8 @@ class Engine:
         # Tensor parallelism (`from_pretrained(..., tensor_parallel_size=N)`): this engine is rank 0's.
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
         if self.ranks is not None:
-            self._check_parallel_options(dict(speculative=speculative, host_cache_bytes=host_cache_bytes,
-                                              cpp_wrapper=cpp_wrapper))
+            launch.check_options(dict(speculative=speculative, host_cache_bytes=host_cache_bytes,
+                                      cpp_wrapper=cpp_wrapper))
         self._closed: str | None = None  # why the engine no longer steps (closed, or a rank failed)
         option_int("seed", seed, 0)
         host_cache_bytes = option_int("host_cache_bytes", host_cache_bytes, 0)
@@ -145,61 +142,15 @@ class Engine:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
             raise OptionError(f"tensor_parallel_timeout must be a positive number of seconds, got {timeout!r}")
         if world > 1:
-            return cls._from_pretrained_parallel(path, world, timeout, device, dtype, check_finite,
-                                                 dict(compile=compile, max_batch_size=max_batch_size, **kwargs))
+            options = dict(compile=compile, max_batch_size=max_batch_size, **kwargs)
+            unknown = sorted(set(options) - set(inspect.signature(cls.__init__).parameters) - {"self", "model", "ranks"})
+            if unknown:  # before any rank starts (each would build an engine and fail alike)
+                raise TypeError(f"Engine.from_pretrained() got unexpected keyword argument(s) "
+                                f"{', '.join(map(repr, unknown))}")
+            return launch.start(cls, path, world, timeout, device, dtype, check_finite, options)
         model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite, mtp_depths=mtp_depths)
         return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
                    max_batch_size=max_batch_size, **kwargs)
-
-    @classmethod
-    def _from_pretrained_parallel(cls, path, world: int, timeout, device, dtype, check_finite: bool,
-                                  options: dict) -> "Engine":
-        """Rank 0 of `world`: spawns ranks 1.. on this machine, or joins the group torchrun started (where
-        the other ranks serve rank 0's steps inside this call and exit when it closes the engine)."""
-        unknown = sorted(set(options) - set(inspect.signature(cls.__init__).parameters) - {"self", "model", "ranks"})
-        if unknown:  # before any rank starts (each would build an engine and fail alike)
-            raise TypeError(f"Engine.from_pretrained() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
-        cls._check_parallel_options(options)
-        check_divisible(InklingConfig.from_file(Path(path)), world)  # before any process starts
-        device = resolve_device(device)
-        load_options = dict(dtype=dtype, check_finite=check_finite)
-        # The other ranks only run the plans rank 0 sends: they build a Worker with its options, and verify
-        # as many draft tokens as rank 0's drafter proposes.
-        worker_options = {k: options[k] for k in (*WORKER_OPTIONS, "warmup") if k in options}
-        if options.get("speculative") is not None:
-            worker_options["draft_tokens"] = options.get("num_speculative_tokens", 2)
-        if runtime.launched_by_torchrun():
-            ranks = runtime.join(world, device, float(timeout))
-            if ranks.rank != 0:
-                local = torch.device(device.type, int(os.environ.get("LOCAL_RANK", ranks.rank))) \
-                    if device.type == "cuda" else device
-                runtime.serve_rank(ranks, path, local, load_options, worker_options)
-                raise SystemExit(0)
-        else:
-            ranks = runtime.spawn(world, device, float(timeout), (str(path), str(device), load_options, worker_options))
-        try:
-            model, _ = load_model(path, device=device, tensor_parallel=(0, world, ranks.compute_group), **load_options)
-            engine = cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, ranks=ranks, **options)
-        except BaseException as e:
-            dead = ranks.dead()
-            ranks.close(graceful=False)
-            if dead is not None and not isinstance(e, InklingError):  # an option error is rank 0's to report too
-                raise ParallelError(f"{dead} while the engine was starting") from e
-            raise
-        weakref.finalize(engine, ranks.close)  # at exit or when dropped, the other ranks go too
-        return engine
-
-    @staticmethod
-    def _check_parallel_options(options: dict) -> None:
-        if options.get("speculative") == "mtp":
-            raise OptionError("speculative='mtp' is not supported with tensor parallelism (the MTP head is not "
-                              "sharded): use speculative='ngram'")
-        if options.get("host_cache_bytes"):
-            raise OptionError("host_cache_bytes (the prefix cache's host tier) is not supported with tensor "
-                              "parallelism: leave it 0")
-        if options.get("cpp_wrapper"):
-            raise OptionError("cpp_wrapper=True is not supported with tensor parallelism: inductor's C++ wrapper "
-                              "cannot call the collectives (torch 2.13); leave it None")
 
     def warm_up(self, buckets: Sequence[int] | None = None) -> dict[int, float]:
         """Compiles (or loads from the cache) the decode graphs of `buckets` (default: all) now, rather

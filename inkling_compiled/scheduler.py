@@ -139,7 +139,7 @@ class Scheduler:
     def _plan(self, kind: StepKind, reqs: list[Request], tokens: list[list[int]], starts: list[int], *,
               sampled: list[bool] | None = None, **fields) -> StepPlan:
         takes = reqs if sampled is None else [r for r, s in zip(reqs, sampled) if s]
-        return StepPlan(kind=kind, request_ids=[r.request_id for r in reqs], slots=[self.cache.slot_of(r) for r in reqs],
+        return StepPlan(kind=kind, request_ids=[r.request_id for r in reqs], slots=self.cache.slots_of(reqs),
                         tokens=tokens, starts=starts, sampling=[r.sampling_row() for r in reqs],
                         bucket=self.buckets.bucket_for(len(reqs)) if kind is not StepKind.EXTEND else None,
                         sampled=sampled or [], journal=self.cache.take_journal(),

@@ -157,7 +157,8 @@ class Worker:
     def execute(self, plan: StepPlan, to_host: bool = True) -> tuple[Sampled | None, torch.Tensor | None]:
         """Runs the plan's forward: (what it sampled, on the host, when any row takes a token; the hidden
         states, when the plan asks for them)."""
-        self._send({"op": "step"}, msgspec.msgpack.encode(plan))
+        if self.ranks is not None:
+            self._send({"op": "step"}, msgspec.msgpack.encode(plan))
         with self.torch_state.pinned(), self.backend.context.taking_checkpoints(plan.checkpoints):
             out = self.runner.run(plan)
         takes = plan.kind is not StepKind.EXTEND or any(plan.sampled)

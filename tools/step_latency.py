@@ -3,6 +3,7 @@ tokens/s of the compiled engine, and the engine's host overhead per step at batc
 time less bucket 1's replay: scheduling, prep, outputs); used by gpu_check.sh on CUDA.
 
     OMP_NUM_THREADS=1 python tools/step_latency.py --device cpu [--configs tiny small] [--graphs batch-one] [--no-package]
+        [--calls]   (also: Python function calls per engine step at batch 1 and 8, a noise-free proxy of host work)
     python3 tools/step_latency.py --device cuda --dtype bfloat16
 """
 
@@ -18,6 +19,30 @@ from inkling_compiled.sampling import SamplingParams
 from inkling_compiled.tiny import build_tiny_checkpoint
 
 
+def calls_per_step(engine, batch: int, steps: int = 20) -> float:
+    """Python (and C) function calls an engine step makes in decode, counted with sys.setprofile."""
+    import sys
+
+    for i in range(batch):
+        engine.add_request(list(range(3 + i, 67 + i)), SamplingParams(max_new_tokens=64, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    for _ in range(steps):
+        sys.setprofile(count)
+        engine.step()
+        sys.setprofile(None)
+    while engine.has_unfinished():
+        engine.step()
+    return calls / steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=["tiny", "small"])
@@ -27,6 +52,7 @@ def main() -> None:
                    help="one symbolic graph (default), bucket 1 specialised beside it, or one per bucket")
     p.add_argument("--no-package", action="store_true",
                    help="trace the step with Dynamo at every start instead of saving and loading it whole")
+    p.add_argument("--calls", action="store_true", help="count Python function calls per engine step (batch 1, 8)")
     args = p.parse_args()
     torch.set_num_threads(1)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -76,6 +102,8 @@ def main() -> None:
                 if batch == 1:
                     print(f"  host overhead per engine step at batch 1: {dt / steps * 1e3 - replay[1]:.3f} ms "
                           "(engine step less bucket 1's replay)")
+                if args.calls and batch in (1, 8):
+                    print(f"  engine batch {batch:>2}: {calls_per_step(engine, batch):.0f} Python calls per step")
 
 
 if __name__ == "__main__":

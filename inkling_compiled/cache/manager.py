@@ -94,8 +94,9 @@ class CacheManager:
             self.prefix.release(req.prefix_entry)
         req.prefix_entry = None
 
-    def slot_of(self, req) -> int:
-        return self.pool.slot_of[req.request_id]
+    def slots_of(self, reqs: list) -> list[int]:
+        slot_of = self.pool.slot_of
+        return [slot_of[r.request_id] for r in reqs]
 
     # ---- prefill ----------------------------------------------------------------------------------
 
