@@ -8,7 +8,8 @@ setup(
     # custom_ops/ and graphs/ live at the top of the repo but install inside the package,
     # so nothing but `inkling_compiled` lands in site-packages.
     packages=["inkling_compiled", "inkling_compiled.custom_ops", "inkling_compiled.custom_ops.gpu",
-              "inkling_compiled.graphs", "inkling_compiled.parallel", "inkling_compiled.server"],
+              "inkling_compiled.graphs", "inkling_compiled.parallel", "inkling_compiled.server",
+              "inkling_compiled.spec"],
     package_dir={
         "inkling_compiled": "inkling_compiled",
         "inkling_compiled.custom_ops": "custom_ops",
