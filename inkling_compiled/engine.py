@@ -294,7 +294,7 @@ class Engine:
             latest = dict(self._undelivered)
             for out in self._step():  # the newest output of a request says it all
                 previous = latest.get(out.request_id)
-                latest[out.request_id] = out if previous is None else _merged(previous, out)
+                latest[out.request_id] = out if previous is None else out.absorb(previous)
             self._undelivered.clear()
             self._known.difference_update(rid for rid, o in latest.items() if o.finished)
             return list(latest.values())
@@ -343,6 +343,7 @@ class Engine:
                 self.cache.finish_loads()
                 raise
             error = e
+            _fail(reqs, e)
         extend = bool(plans) and plans[0].kind is StepKind.EXTEND
         if plans:
             rows = [self.scheduler.requests_of(plan) for plan in plans]
@@ -362,8 +363,7 @@ class Engine:
                     if self._closed is not None:  # a tensor-parallel engine stopped every rank
                         raise
                     error = e
-                    for req in reqs:
-                        req.fail(f"{type(e).__name__}: {e}")
+                    _fail(reqs, e)  # before the commit below: a failed request's pages are not cached
                 if extend:  # prefilled pages enter the prefix cache before any slot goes back
                     self.scheduler.finish_extend(plans[0], reqs)
         if error is not None:
@@ -371,8 +371,6 @@ class Engine:
                 self._raise_stopped(reqs, error)
             if isinstance(error, Exception):
                 log.exception("a step failed; failing its %d request(s)", len(reqs), exc_info=error)
-            for req in reqs:
-                req.fail(f"{type(error).__name__}: {error}")
             stepped.extend(reqs)
         elif extend:  # rows that end their prompt took a token
             stepped.extend(r for r, takes in zip(reqs, plans[0].sampled) if takes)
@@ -486,7 +484,7 @@ class Engine:
                         break
                     for out in self._step():
                         earlier = self._undelivered.get(out.request_id)
-                        self._undelivered[out.request_id] = out if earlier is None else _merged(earlier, out)
+                        self._undelivered[out.request_id] = out if earlier is None else out.absorb(earlier)
         except BaseException:  # interrupted: the requests become ordinary ones that step() delivers
             with self._lock:
                 for rid in rids:
@@ -498,8 +496,6 @@ class Engine:
         return [final[r] for r in rids]
 
 
-def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """The later output of a request, also carrying what an earlier undelivered one brought."""
-    later._start = min(later._start, earlier._start)
-    later.new_text = None if later.new_text is None else (earlier.new_text or "") + later.new_text
-    return later
+def _fail(reqs: list[Request], error: BaseException) -> None:
+    for req in reqs:
+        req.fail(f"{type(error).__name__}: {error}")

@@ -44,6 +44,14 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def absorb(self, earlier: "RequestOutput") -> "RequestOutput":
+        """This output, also carrying the new tokens and text of an earlier one of the same request that
+        was never delivered."""
+        self._start = min(self._start, earlier._start)
+        if self.new_text is not None:
+            self.new_text = (earlier.new_text or "") + self.new_text
+        return self
+
     @property
     def token_ids(self) -> list[int]:
         return self._req.output[:self._end]

@@ -60,17 +60,6 @@ class Scheduler:
             self.cache.release(req)
         self.requests.pop(req.request_id, None)
 
-    def abort(self, req: Request) -> None:
-        req.finish_reason = "abort"
-        self.finish(req)
-
-    def fail(self, reqs: list[Request], message: str) -> None:
-        """The requests of a forward that raised: finished with the error (their pool state may be
-        half-written), their slots and pages freed."""
-        for req in reqs:
-            req.fail(message)
-            self.finish(req)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
@@ -96,7 +85,7 @@ class Scheduler:
                 draft_of = dict(zip(batch, full))
                 return [self._plan(StepKind.VERIFY, piece, [[r.output[-1], *draft_of[r]] for r in piece],
                                    [r.cached_len for r in piece], limits=[r.budget for r in piece],
-                                   drafted=[r.drafted for r in piece], with_hidden=self.drafter_needs_hidden)
+                                   drafted=[r.drafted for r in piece])
                         for piece in self.buckets.split(batch)]
         return [self._plan(StepKind.DECODE, piece, [[r.output[-1]] for r in piece], [r.cached_len for r in piece])
                 for piece in self.buckets.split(batch)]
@@ -134,7 +123,7 @@ class Scheduler:
                        for row, ((req, _), points) in enumerate(zip(chunks, planned)) for pages, index in points.items()]
         return self._plan(StepKind.EXTEND, reqs, [r.prompt[r.prefilled:r.prefilled + n] for r, n in chunks],
                           [r.prefilled for r in reqs], sampled=[r.prefilled + n == len(r.prompt) for r, n in chunks],
-                          checkpoints=checkpoints, with_hidden=self.drafter_needs_hidden)
+                          checkpoints=checkpoints)
 
     def _plan(self, kind: StepKind, reqs: list[Request], tokens: list[list[int]], starts: list[int], *,
               sampled: list[bool] | None = None, **fields) -> StepPlan:

@@ -57,7 +57,6 @@ class StepPlan(msgspec.Struct, kw_only=True):
     checkpoints: list[Checkpoint] = []  # extend: prefix-cache checkpoints taken on the way
     journal: list[PoolEffect] = []  # the pool's writes since the previous plan
     top_logprobs: int = 0  # top logprobs the host needs per sampled token (the most any row asked for)
-    with_hidden: bool = False  # the drafter reads the hidden states this forward makes
 
     @property
     def rows(self) -> int:

@@ -149,16 +149,16 @@ class Worker:
         the other ranks first."""
         self.ranks = ranks
 
-    def _send(self, header: dict, data: bytes | None = None) -> None:
+    def _send(self, header: dict, plan: StepPlan | None = None) -> None:
+        """To the other ranks, if this worker leads any (the plan encoded only then)."""
         if self.ranks is not None:
             self.ranks.check()
-            self.ranks.channel.send(header, data)
+            self.ranks.channel.send(header, None if plan is None else msgspec.msgpack.encode(plan))
 
     def execute(self, plan: StepPlan, to_host: bool = True) -> tuple[Sampled | None, torch.Tensor | None]:
         """Runs the plan's forward: (what it sampled, on the host, when any row takes a token; the hidden
         states, when the plan asks for them)."""
-        if self.ranks is not None:
-            self._send({"op": "step"}, msgspec.msgpack.encode(plan))
+        self._send({"op": "step"}, plan)
         with self.torch_state.pinned(), self.backend.context.taking_checkpoints(plan.checkpoints):
             out = self.runner.run(plan)
         takes = plan.kind is not StepKind.EXTEND or any(plan.sampled)

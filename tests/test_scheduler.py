@@ -135,7 +135,8 @@ def run(scheduler: Scheduler, worker: ScriptedWorker, arrivals: dict[int, list[R
             scheduler.add(req)
         if aborts and step in aborts and scheduler.get(aborts[step]) is not None:
             req = scheduler.get(aborts[step])
-            scheduler.abort(req)
+            req.finish_reason = "abort"
+            scheduler.finish(req)
             finished[req.request_id] = req
         batch = list(scheduler.running)
         plans = scheduler.decode_plans(batch, drafter.propose(batch) if drafter else None) if batch else []
