@@ -5,14 +5,17 @@ eos ignored, streamed) and sends the next when the last one ends, until the work
 done. Over HTTP the clients are threads with a plain HTTP/1.1 connection each, reading server-sent
 events; through the API the same C requests are kept in flight with `add_request` and `step`. Both use
 one compiled engine. The HTTP clients run in a process of their own (as clients do), so their parsing
-does not share the server's interpreter. Reported: requests/s, output tokens/s, time to first token and inter-token latency
-(p50, p99; a chunk of the stream or an output of `step` is a token's arrival), and HTTP over API.
+does not share the server's interpreter, and each keeps its connection alive. Tokens are counted, not
+events: every chunk carries the usage so far (`continuous_usage_stats`), and a chunk's tokens arrive
+when it does, as an output of `step` brings its tokens on the API path. Reported: requests/s, output
+tokens/s, time to first token and inter-token latency (p50, p99), and HTTP over API.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -76,22 +79,33 @@ def run_api(engine: Engine, prompts: list[list[int]], concurrency: int, new_toke
     return _summary(time.perf_counter() - t0, arrivals, starts)
 
 
-def _stream(port: int, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
-    """(sent at, arrival time of each token) of one streamed completion."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+def _stream(conn: http.client.HTTPConnection, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
+    """(sent at, arrival time of each token) of one streamed completion on a kept-alive connection. Every
+    chunk carries the usage so far (`continuous_usage_stats`), so a chunk's tokens are what its
+    completion_tokens adds, whatever its text; the last usage must say `new_tokens`."""
     body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
-                       "stream": True})
+                       "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     sent = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-    arrivals = []
+    arrivals, counted = [], 0
     for line in response:
-        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+        if line.startswith(b"data: [DONE]"):
+            break
+        found = _COMPLETION_TOKENS.search(line) if line.startswith(b"data: ") else None
+        if found is None:
             continue
-        arrivals.append(time.perf_counter())  # one chunk per step that brought tokens: one token each here
-    conn.close()
+        now, total = time.perf_counter(), int(found.group(1))
+        arrivals += [now] * (total - counted)
+        counted = total
+    response.read()
+    if counted != new_tokens:
+        raise RuntimeError(f"the stream's usage says {counted} completion tokens, not {new_tokens}")
     return sent, arrivals
 
 
@@ -116,16 +130,18 @@ def _clients(port: int, prompts: list[list[int]], concurrency: int, new_tokens: 
     errors: list[BaseException] = []
 
     def client() -> None:
-        while True:
-            with lock:
-                if not pending:
-                    return
-                i = pending.pop(0)
-            try:
-                starts[i], arrivals[i] = _stream(port, prompts[i], new_tokens)
-            except BaseException as e:
-                errors.append(e)
-                return
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)  # kept alive, as clients do
+        try:
+            while True:
+                with lock:
+                    if not pending:
+                        return
+                    i = pending.pop(0)
+                starts[i], arrivals[i] = _stream(conn, prompts[i], new_tokens)
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            conn.close()
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]

@@ -22,21 +22,33 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InklingError, RequestError
-from ..requests import RequestOutput
+from ..requests import RequestOutput, prompt_ids
+from .body import BodyTimeout, BodyTooLarge, Limits, parse_json, read_body
 from .chat import ChatTemplate, checked_messages
 from .loop import STEP_BUCKETS, EngineLoop, QueueFull
-from .protocol import (Job, chat_job, chat_logprobs, completion_job, completion_logprobs, envelope, error_body,
-                       finish_reason, usage)
+from .protocol import (Job, Rules, chat_job, chat_logprobs, check_room, completion_job, completion_logprobs,
+                       envelope, error_body, finish_reason, usage)
 from .text import TextStream
+
+TOKENIZE_IN_THREAD_CHARS = 4096  # text prompts longer than this are tokenized off the event loop
+
+
+class ErrorResponse(JSONResponse):
+    """A JSON error object, ASCII-escaped: a message quoting the client's text (a lone surrogate) cannot
+    fail to encode."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | None = None,
-              default_max_tokens: int = 16) -> FastAPI:
+              default_max_tokens: int = 16, limits: Limits = Limits()) -> FastAPI:
     """`default_max_tokens`: a completion's length when the body gives none (the API's default is 16)."""
     engine = loop.engine
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError("serving needs the checkpoint's tokenizer.json (responses are text)")
+    rules = Rules(engine.max_model_len, engine.config.vocab_size, limits, default_max_tokens)
     app = FastAPI(title="inkling-compiled", docs_url=None, redoc_url=None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -45,13 +57,7 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
                      "not_found_error" if e.status_code == 404 else "invalid_request_error")
 
     def error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
-        return JSONResponse(error_body(message, kind), status_code=status, headers=headers)
-
-    async def body_of(request: Request):
-        try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"the body is not valid JSON: {e}") from None
+        return ErrorResponse(error_body(message, kind), status_code=status, headers=headers)
 
     def check_model(body) -> None:
         name = body.get("model") if isinstance(body, dict) else None
@@ -64,21 +70,37 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
                                "use /v1/completions with a prompt")
         return chat_template.render(checked_messages(messages))
 
-    async def serve(request: Request, make_job) -> object:
+    async def token_ids(job: Job) -> list[int]:
+        if isinstance(job.prompt, str) and len(job.prompt) > TOKENIZE_IN_THREAD_CHARS:
+            return await asyncio.to_thread(prompt_ids, job.prompt, tokenizer)
+        return prompt_ids(job.prompt, tokenizer)
+
+    async def admit(request: Request, make_job):
+        """(the checked job, its subscription), or the error response that refuses it."""
         try:
-            body = await body_of(request)
+            body = parse_json(await read_body(request, limits))
             check_model(body)
             job: Job = make_job(body)
-            # off the event loop: adding waits for the engine's lock, which a step holds
-            sub = await asyncio.to_thread(loop.submit, job.prompt, job.params, asyncio.get_running_loop())
+            ids = await token_ids(job)
+            check_room(job, len(ids), engine.max_model_len)
+            return job, await loop.submit(ids, job.params)
         except RequestError as e:
-            return error(400, str(e))
+            return None, error(400, str(e))
+        except BodyTooLarge as e:
+            return None, error(413, str(e))
+        except BodyTimeout as e:
+            return None, error(408, str(e), headers={"Connection": "close"})
         except LookupError as e:
-            return error(404, str(e), "not_found_error")
+            return None, error(404, str(e), "not_found_error")
         except QueueFull as e:
-            return error(429, str(e), "rate_limit_exceeded", headers={"Retry-After": "1"})
+            return None, error(429, str(e), "rate_limit_exceeded", headers={"Retry-After": "1"})
         except (RuntimeError, InklingError) as e:  # the engine can serve no more (closed, a rank died)
-            return error(503, str(e), "server_error")
+            return None, error(503, str(e), "server_error")
+
+    async def serve(request: Request, make_job) -> object:
+        job, sub = await admit(request, make_job)
+        if job is None:
+            return sub  # the error response
         answer = Answer(job, sub.request_id, model_name, tokenizer)
         if job.stream:
             return StreamingResponse(stream_events(sub, answer), media_type="text/event-stream")
@@ -92,13 +114,13 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
                 if answer.done:
                     break
         except asyncio.CancelledError:
-            loop.abort(sub.request_id)
+            loop.abort(sub)
             raise
         except ClientGone:  # nobody reads the answer: free the request's slot now
-            loop.abort(sub.request_id)
+            loop.abort(sub)
             return Response(status_code=499)
         if answer.stopped_early:
-            loop.abort(sub.request_id, reason="stop")
+            loop.abort(sub, reason="stop")
         if item.finish_reason == "error":
             return error(500, f"the engine failed this request: {item.error}", "server_error")
         return JSONResponse(answer.whole())
@@ -122,22 +144,22 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
             yield "data: [DONE]\n\n"
         finally:
             if not finished or answer.stopped_early:  # the client left (or a stop string ended it): free it now
-                loop.abort(sub.request_id, reason="stop" if answer.stopped_early else "abort")
+                loop.abort(sub, reason="stop" if answer.stopped_early else "abort")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serve(request, lambda body: completion_job(body, default_max_tokens))
+        return await serve(request, lambda body: completion_job(body, rules))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serve(request, lambda body: chat_job(body, render, engine.max_model_len))
+        return await serve(request, lambda body: chat_job(body, render, rules))
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(loop.started),
                                             "owned_by": "inkling-compiled", "max_model_len": engine.max_model_len}]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if loop.failure is not None:
             return error(503, loop.failure, "server_error")
@@ -197,7 +219,8 @@ class Answer:
         self.started = False  # a chat stream opens with the assistant's role
 
     def update(self, out: RequestOutput) -> list[dict]:
-        """Takes the newest cumulative output; returns the stream chunks it adds."""
+        """Takes the newest output; returns the stream chunks it adds: one for every output that brought
+        tokens, its text possibly empty (an unfinished character, text held back for a stop string)."""
         self.out = out
         final = out.finished
         delta = self.text.update(self._answered_tokens(out), final)
@@ -205,20 +228,28 @@ class Answer:
             self.done = True
             self.stopped_early = not final
         self.done = self.done or final
-        upto = self.kept_tokens() if self.done else self.text.tokens_sent()  # logprobs follow the text sent
+        upto = self.kept_tokens() if self.done else self._sendable_tokens()
         chunks = []
         if self.job.chat and not self.started:
             self.started = True
             chunks.append(envelope(self.job, self.request_id, self.model,
                                    {"delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}, chunk=True))
-        if delta or upto > self.tokens_sent or self.done:
+        if delta or out.new_token_ids or self.done:
             choice = {"delta": {"content": delta}} if self.job.chat else {"text": delta}
             choice["logprobs"] = self._logprobs(self.tokens_sent, upto)
             choice["finish_reason"] = finish_reason(out, self.text.stopped) if self.done else None
-            chunks.append(envelope(self.job, self.request_id, self.model, choice, chunk=True))
+            chunk = envelope(self.job, self.request_id, self.model, choice, chunk=True)
+            if self.job.continuous_usage:
+                chunk["usage"] = usage(out, self.completion_tokens() if self.done else len(out.token_ids))
+            chunks.append(chunk)
             self.tokens_sent = upto
         return chunks
+
+    def _sendable_tokens(self) -> int:
+        """Tokens whose logprobs may go out now: every token seen, unless a stop string may still cut the
+        text (then only those whose text went out)."""
+        return self.text.tokens_sent() if self.text.stops else len(self.text.offsets)
 
     def _answered_tokens(self, out: RequestOutput) -> list[int]:
         """The tokens the answer's text is made of: all of them, but for a stop token the request asked for

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..errors import CheckpointError, RequestError
+from .protocol import checked_text
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -82,5 +83,6 @@ def checked_messages(messages) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string or a list of text parts")
+        checked_text(content, f"messages[{i}].content")
         out.append({**{k: v for k, v in m.items() if k != "content"}, "content": content})
     return out

@@ -15,7 +15,8 @@ import time
 from ..checks import is_finite, is_int
 from ..errors import RequestError
 from ..requests import RequestOutput
-from ..sampling import MAX_TOP_LOGPROBS, SamplingParams
+from ..sampling import MAX_COUNT, MAX_TOP_LOGPROBS, SamplingParams
+from .body import Limits
 
 
 @dataclasses.dataclass
@@ -29,6 +30,28 @@ class Job:
     stream: bool
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs in the answer; else how many alternatives per token
+    max_tokens_field: str | None = None  # the field that set the length, if the body gave one
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """What bodies are checked against: the engine's sizes and the server's limits."""
+
+    max_model_len: int
+    vocab_size: int
+    limits: Limits = Limits()
+    default_max_tokens: int = 16  # a completion's length when the body gives none (the API's default)
+
+
+def checked_text(value: str, field: str) -> str:
+    """`value`, unless it holds a lone surrogate (JSON's "\\ud800" escape): no tokenizer takes that."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{field} holds a lone surrogate ({value[e.start]!r} at character {e.start}), "
+                           "which is not Unicode text") from None
+    return value
 
 
 _UNSUPPORTED = {  # field -> the values that are fine (the API's defaults)
@@ -68,32 +91,72 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def _stops(body: dict) -> tuple[list[str], list[int]]:
-    """`stop` (a string, or a list of strings and token ids) and `stop_token_ids`."""
+def _stops(body: dict, rules: Rules) -> tuple[list[str], list[int]]:
+    """`stop` (a string, or a list of strings and token ids) and `stop_token_ids`, counted before they are
+    read."""
+    limits = rules.limits
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) or is_int(s) for s in stop):
-        raise RequestError(f"stop must be a string or a list of strings and token ids, got {body.get('stop')!r}")
+    if not isinstance(stop, list):
+        raise RequestError(f"stop must be a string or a list of strings and token ids, got {type(stop).__name__}")
     ids = body.get("stop_token_ids")
     ids = [] if ids is None else ids
-    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
-        raise RequestError(f"stop_token_ids must be a list of token ids, got {body.get('stop_token_ids')!r}")
-    return [s for s in stop if isinstance(s, str)], [int(t) for t in stop if not isinstance(t, str)] + list(ids)
+    if not isinstance(ids, list):
+        raise RequestError(f"stop_token_ids must be a list of token ids, got {type(ids).__name__}")
+    if len(stop) + len(ids) > limits.max_stop_strings:
+        raise RequestError(f"{len(stop) + len(ids)} stops (stop and stop_token_ids) are more than "
+                           f"max_stop_strings={limits.max_stop_strings}")
+    for i, s in enumerate(stop):
+        if isinstance(s, str):
+            if len(s) > limits.max_stop_chars:
+                raise RequestError(f"stop[{i}] has {len(s)} characters, more than max_stop_chars={limits.max_stop_chars}")
+            checked_text(s, f"stop[{i}]")
+        elif not is_int(s):
+            raise RequestError(f"stop must be a string or a list of strings and token ids, got {s!r} at {i}")
+    if not all(is_int(t) for t in ids):
+        raise RequestError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+    stop_ids = [int(t) for t in stop if not isinstance(t, str)] + [int(t) for t in ids]
+    bad = next((t for t in stop_ids if not 0 <= t < rules.vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"stop token id {bad} is out of range [0, {rules.vocab_size})")
+    return [s for s in stop if isinstance(s, str)], stop_ids
 
 
-def _prompt(body: dict) -> str | list[int]:
+MAX_CHARS_PER_TOKEN = 64  # a text prompt longer than this times max_model_len is refused before tokenizing
+
+
+def _prompt(body: dict, max_model_len: int) -> str | list[int]:
+    """The prompt, its length checked before its content: a million ids cost one comparison to refuse."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) or (isinstance(prompt, list) and all(is_int(t) for t in prompt)):
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+    if isinstance(prompt, str):
+        if len(prompt) > MAX_CHARS_PER_TOKEN * max_model_len:  # no tokenizer packs more into max_model_len tokens
+            raise RequestError(f"prompt of {len(prompt)} characters is too long for max_model_len={max_model_len} "
+                               "tokens")
+        return checked_text(prompt, "prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt[:2]):
         raise RequestError(f"one prompt per request: got {len(prompt)}")
+    if isinstance(prompt, list):
+        if len(prompt) >= max_model_len:
+            raise RequestError(f"prompt of {len(prompt)} tokens is too long: max_model_len={max_model_len} leaves "
+                               "no room to generate")
+        if all(is_int(t) for t in prompt):
+            return prompt
     raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> tuple[int | None, str | None]:
+    """(the length the body asks for, or `default`; the field that asked, if one did)."""
+    for name in names:
+        value = _number(body, name, None, integer=True, low=1, high=MAX_COUNT)
+        if value is not None:
+            return value, name
+    return default, None
+
+
 def _sampling(body: dict, max_tokens: int, stop_ids: list[int], top_logprobs: int | None) -> SamplingParams:
-    top_k = _number(body, "top_k", 0, integer=True, low=-1)
+    top_k = _number(body, "top_k", 0, integer=True, low=-1, high=MAX_COUNT)
     return SamplingParams(
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, low=0),
         top_p=_number(body, "top_p", 1.0), top_k=max(top_k, 0), seed=_number(body, "seed", None, integer=True),
@@ -101,45 +164,59 @@ def _sampling(body: dict, max_tokens: int, stop_ids: list[int], top_logprobs: in
         logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of `stream_options`."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream or not isinstance(options, dict):
         raise RequestError("stream_options needs stream=true and must be an object")
-    return _flag(options, "include_usage")
+    return _flag(options, "include_usage"), _flag(options, "continuous_usage_stats")
 
 
-def completion_job(body, default_max_tokens: int = 16) -> Job:
+def completion_job(body, rules: Rules) -> Job:
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     _refuse_unsupported(body)
-    prompt = _prompt(body)
+    prompt = _prompt(body, rules.max_model_len)
     top = _number(body, "logprobs", None, integer=True, low=0, high=MAX_TOP_LOGPROBS)
-    stops, stop_ids = _stops(body)
-    max_tokens = _number(body, "max_tokens", default_max_tokens, integer=True, low=1)
+    stops, stop_ids = _stops(body, rules)
+    max_tokens, field = _max_tokens(body, ("max_tokens",), rules.default_max_tokens)
     stream = _flag(body, "stream")
-    return Job(False, prompt, _sampling(body, max_tokens, stop_ids, top), stops, stream,
-               _stream_options(body, stream), top)
+    include_usage, continuous = _stream_options(body, stream)
+    return Job(False, prompt, _sampling(body, max_tokens, stop_ids, top), stops, stream, include_usage, top,
+               field, continuous)
 
 
-def chat_job(body, render, default_max_tokens: int) -> Job:
-    """`render(messages)` -> the prompt text (the checkpoint's chat template)."""
+def chat_job(body, render, rules: Rules) -> Job:
+    """`render(messages)` -> the prompt text (the checkpoint's chat template). Without a length in the body,
+    the reply may take all the room the prompt leaves."""
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     _refuse_unsupported(body)
-    prompt = render(body.get("messages"))
+    prompt = checked_text(render(body.get("messages")), "messages")
+    if len(prompt) > MAX_CHARS_PER_TOKEN * rules.max_model_len:
+        raise RequestError(f"messages of {len(prompt)} characters are too long for max_model_len="
+                           f"{rules.max_model_len} tokens")
     top = None
     if _flag(body, "logprobs"):
         top = _number(body, "top_logprobs", 0, integer=True, low=0, high=MAX_TOP_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise RequestError("top_logprobs needs logprobs=true")
-    stops, stop_ids = _stops(body)
-    max_tokens = _number(body, "max_completion_tokens", None, integer=True, low=1)
-    max_tokens = max_tokens or _number(body, "max_tokens", default_max_tokens, integer=True, low=1)
+    stops, stop_ids = _stops(body, rules)
+    max_tokens, field = _max_tokens(body, ("max_completion_tokens", "max_tokens"), rules.max_model_len)
     stream = _flag(body, "stream")
-    return Job(True, prompt, _sampling(body, max_tokens, stop_ids, top), stops, stream,
-               _stream_options(body, stream), top)
+    include_usage, continuous = _stream_options(body, stream)
+    return Job(True, prompt, _sampling(body, max_tokens, stop_ids, top), stops, stream, include_usage, top,
+               field, continuous)
+
+
+def check_room(job: Job, prompt_tokens: int, max_model_len: int) -> None:
+    """A length the body asked for must fit beside the prompt (OpenAI's and vLLM's 400); a default length
+    is cut to the room left."""
+    if job.max_tokens_field is not None and prompt_tokens + job.params.max_new_tokens > max_model_len:
+        raise RequestError(f"the prompt's {prompt_tokens} tokens plus {job.max_tokens_field}="
+                           f"{job.params.max_new_tokens} are more than max_model_len={max_model_len}")
 
 
 # ---- answers -----------------------------------------------------------------------------------------

@@ -1,5 +1,10 @@
 """Running the app: uvicorn in the foreground (the CLI) or on a thread (tests, bench-serve).
 
+uvicorn has no deadline for a request's headers, so a client that trickles them (or connects and says
+nothing) would hold its connection forever; `_with_header_deadline` gives uvicorn's protocol one: from
+the connection (or the end of the last response) to a request's whole headers, `limits.header_timeout`
+seconds, then a 408 and the connection closes. The body's deadline is the app's (`body.read_body`).
+
 Shutdown is graceful: on SIGINT or SIGTERM uvicorn stops accepting connections and waits up to
 `shutdown_timeout` seconds for the requests in flight, which the engine loop keeps serving; whatever is
 left then is cancelled, and each cancelled stream aborts its request. The process then exits with 0.
@@ -12,10 +17,56 @@ import socket
 import threading
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from .app import build_app
+from .body import Limits
 from .chat import ChatTemplate
 from .loop import EngineLoop
+
+_TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+def _with_header_deadline(protocol: type, header_timeout: float) -> type:
+    """uvicorn's HTTP protocol (httptools or h11; both make `self.cycle` when a request's headers are
+    complete), closing a connection whose next request's headers take longer than `header_timeout`."""
+
+    class HeaderDeadline(protocol):
+        _deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request on this connection gets its own deadline
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(header_timeout, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.write(_TIMEOUT_408)
+                self.transport.close()
+
+    return HeaderDeadline
 
 
 class _Uvicorn(uvicorn.Server):
@@ -33,12 +84,13 @@ class _Uvicorn(uvicorn.Server):
 class ApiServer:
     def __init__(self, engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "inkling",
                  max_waiting: int = 256, chat_template: ChatTemplate | None = None, shutdown_timeout: float = 10.0,
-                 default_max_tokens: int = 16):
+                 default_max_tokens: int = 16, limits: Limits = Limits()):
         self.host, self.port, self.shutdown_timeout = host, port, shutdown_timeout
         self.loop = EngineLoop(engine, max_waiting)
-        self.app = build_app(self.loop, model_name, chat_template, default_max_tokens)
+        self.app = build_app(self.loop, model_name, chat_template, default_max_tokens, limits)
         # uvicorn's own deadline comes later than ours: by then every request has answered with "abort".
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
+                                http=_with_header_deadline(AutoHTTPProtocol, limits.header_timeout),
                                 timeout_graceful_shutdown=shutdown_timeout + 5)
         self.uvicorn = _Uvicorn(config, self._shutting_down)
         self._deadline: threading.Timer | None = None

@@ -1,0 +1,84 @@
+"""What a client may send, and reading it within those bounds.
+
+Every bound is checked before the work it bounds: a Content-Length over `max_body_bytes` is refused
+before a byte of the body is read, a body that grows past it is refused as soon as it does, and a body
+that trickles in slower than `body_timeout` allows is cut off with a 408. Parsing is msgspec's (a few
+times faster than the standard library, and it holds the interpreter for as long as it parses, so speed
+is what keeps the event loop free); the standard library only speaks when msgspec refuses a body, to
+say in its words what is wrong, or to take what msgspec does not (integers past 64 bits, lone surrogates,
+which the protocol then refuses by field).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+
+from ..errors import RequestError
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Bounds on what one client may send; the CLI's options of the same names set them."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_stop_strings: int = 16  # stop strings per request
+    max_stop_chars: int = 256  # characters per stop string
+    header_timeout: float = 10.0  # seconds from connecting (or the last response) to a request's whole headers
+    body_timeout: float = 30.0  # seconds from the headers to the whole body
+
+    def __post_init__(self):
+        for name in ("max_body_bytes", "max_stop_strings", "max_stop_chars"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+
+
+class BodyTooLarge(Exception):
+    """The body is larger than `max_body_bytes` (413)."""
+
+
+class BodyTimeout(Exception):
+    """The body did not arrive within `body_timeout` (408)."""
+
+
+async def read_body(request, limits: Limits) -> bytes:
+    """The request's body, refused once it is known to be too large or too slow."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise BodyTooLarge(f"the body of {int(declared)} bytes is larger than max_body_bytes={limits.max_body_bytes}")
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise BodyTooLarge(f"the body is larger than max_body_bytes={limits.max_body_bytes}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout=limits.body_timeout)
+    except asyncio.TimeoutError:
+        raise BodyTimeout(f"the body did not arrive within {limits.body_timeout:g} s") from None
+
+
+def parse_json(raw: bytes):
+    """The body as Python objects, or a RequestError saying why it is not JSON we take."""
+    try:
+        return msgspec.json.decode(raw)
+    except RecursionError:
+        raise RequestError("the body is nested too deeply to parse") from None
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RequestError("the body is nested too deeply to parse") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"the body is not valid JSON: {e}") from None
