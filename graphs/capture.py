@@ -167,6 +167,7 @@ class CompiledStep:
                     and package.supported())
         self.package_path = package.package_path(self.cache_dir, package_key, self.cpp_wrapper) if eligible else None
         self.packaged = False  # whether the step runs as a package (loaded, or compiled and saved here)
+        self.loaded = False  # whether that package was loaded (nothing is compiled, only warmed)
         # Called when a loaded package is dropped for tracing: whoever marks the metadata marks it again.
         self.on_unpackage: Callable[[], None] | None = None
         self._requested_sources = guarded_sources
@@ -209,7 +210,7 @@ class CompiledStep:
         if self.package_path is None or self.graph_of:
             return False
         with _DYNAMO_STATE:
-            self.packaged = package.load(self.compiled, self.package_path)
+            self.packaged = self.loaded = package.load(self.compiled, self.package_path)
         return self.packaged
 
     def warmup(self, progress: Callable[..., None] | None = None, buckets: tuple[int, ...] | None = None
@@ -220,7 +221,8 @@ class CompiledStep:
         todo = sorted({b for b in (self.buckets if buckets is None else buckets) if b not in self.graph_of})
         for i, b in enumerate(todo):
             if progress:
-                progress(f"compiling the decode step: bucket {b}", i, len(todo))
+                verb = "warming the saved decode step" if self.loaded else "compiling the decode step"
+                progress(f"{verb}: bucket {b}", i, len(todo))
             self.prepare_padding(b)
             self._first_call(b)
             # CUDA graph trees run a new graph once to warm it, record it on the next call and replay it
@@ -300,7 +302,7 @@ class CompiledStep:
 
     def _unpackage(self) -> None:
         """From now on the step compiles the usual way, with every guard the caller asked for."""
-        self.package_path, self.packaged, self.guarded_sources = None, False, self._requested_sources
+        self.package_path, self.packaged, self.loaded, self.guarded_sources = None, False, False, self._requested_sources
         self.compiled = self._compile()
 
     def _replay(self, bucket: int) -> tuple[torch.Tensor, ...]:

@@ -188,29 +188,41 @@ def _bench_parallel(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import torch
-
-    from .engine import Engine
-    from .server.chat import ChatTemplate
-    from .server.serve import ApiServer
-
+    """Everything the options can get wrong is found before the model loads: the limits, the tokenizer,
+    the chat template, and the address (the socket is bound first, so a port in use fails at once)."""
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         print("error: serve needs FastAPI and uvicorn: pip install 'inkling-compiled[serve]'", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
-    name = args.served_model_name or Path(args.model).resolve().name
-    chat_template = ChatTemplate.from_checkpoint(args.model)
-    engine = Engine.from_pretrained(args.model, max_model_len=args.max_model_len, **_engine_args(args))
-    if engine.tokenizer is None:
-        engine.close()
+    import torch
+
+    from .engine import Engine
+    from .server.body import Limits
+    from .server.chat import ChatTemplate
+    from .server.serve import ApiServer, listen
+
+    try:
+        limits = Limits(max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
+                        max_stop_chars=args.max_stop_chars, header_timeout=args.header_timeout,
+                        body_timeout=args.body_timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not (Path(args.model) / "tokenizer.json").is_file():
         print(f"error: {args.model} has no tokenizer.json: the server answers in text", file=sys.stderr)
         return 2
-    with engine:
-        server = ApiServer(engine, host=args.host, port=args.port, model_name=name, max_waiting=args.max_waiting,
+    chat_template = ChatTemplate.from_checkpoint(args.model)
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or Path(args.model).resolve().name
+    torch.set_num_threads(args.threads)
+    with sock, Engine.from_pretrained(args.model, max_model_len=args.max_model_len, **_engine_args(args)) as engine:
+        server = ApiServer(engine, sock=sock, model_name=name, max_waiting=args.max_waiting,
                            chat_template=chat_template, shutdown_timeout=args.shutdown_timeout,
-                           default_max_tokens=args.max_new_tokens)
-        port = server.bind()
-        print(f"inkling-compiled: serving {name!r} at http://{args.host}:{port}/v1 (chat "
+                           default_max_tokens=args.max_new_tokens, limits=limits)
+        print(f"inkling-compiled: serving {name!r} at http://{args.host}:{server.port}/v1 (chat "
               f"{'on' if chat_template else 'off: no chat template'}); SIGINT or SIGTERM stops it", file=sys.stderr,
               flush=True)
         server.run_until_signal()
@@ -304,6 +316,27 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0..65535; 0 takes a free one)")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (nan, inf and negatives are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds >= 0")
     return value
 
 
@@ -431,12 +464,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the [serve] extra)")
     srv.add_argument("--model", required=True, help="checkpoint folder (with its tokenizer.json)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    srv.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed)")
+    srv.add_argument("--port", type=port_number, default=8000, help="port to listen on (0: a free one, printed)")
     srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the folder's)")
     srv.add_argument("--max-waiting", type=positive_int, default=256,
                      help="requests that may wait for a slot; more get 429 with Retry-After")
-    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+    srv.add_argument("--shutdown-timeout", type=seconds, default=10.0,
                      help="seconds SIGINT/SIGTERM waits for requests in flight before aborting them")
+    from .server.body import Limits  # msgspec only: no web framework to import for --help
+
+    limits = Limits()
+    srv.add_argument("--max-body-bytes", type=positive_int, default=limits.max_body_bytes,
+                     help="largest request body; larger ones get 413 before they are read")
+    srv.add_argument("--max-stop-strings", type=positive_int, default=limits.max_stop_strings,
+                     help="stop strings and stop token ids per request")
+    srv.add_argument("--max-stop-chars", type=positive_int, default=limits.max_stop_chars,
+                     help="characters per stop string")
+    srv.add_argument("--header-timeout", type=seconds, default=limits.header_timeout,
+                     help="seconds a connection may take to send a request's headers (then 408 and closed)")
+    srv.add_argument("--body-timeout", type=seconds, default=limits.body_timeout,
+                     help="seconds a request may take to send its body after its headers (then 408)")
     srv.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + generated tokens per request")
     _add_engine_options(srv)
     srv.set_defaults(run=_serve)

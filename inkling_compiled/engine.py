@@ -172,8 +172,9 @@ class Engine:
                 raise
         verifier = self.worker.verifier
         verify_note = f" and {len(verifier.graphs())} verify graph(s)" if verifier is not None else ""
+        source = " (loaded from its compile package: nothing compiled)" if decoder.loaded else ""
         stages.finish(f"decode step ready: {len(decoder.graphs())} graph(s){verify_note} for buckets "
-                      f"{', '.join(map(str, sorted(decoder.graph_of)))} in {time.perf_counter() - t0:.1f} s")
+                      f"{', '.join(map(str, sorted(decoder.graph_of)))} in {time.perf_counter() - t0:.1f} s{source}")
         return seconds
 
     # ---- requests ---------------------------------------------------------------------------------

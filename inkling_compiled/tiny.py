@@ -95,6 +95,11 @@ def _draw(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tens
     return out
 
 
+# A plain role-tagged template, so that /v1/chat/completions works on every tiny checkpoint out of the box.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
 def write_checkpoint(out_dir: str | Path, raw_config: dict, tensors: dict[str, torch.Tensor], *,
                      layout: str = "transformers", shards: int = 1) -> Path:
     """Writes config.json, the safetensors file(s) and a byte-level tokenizer.json."""
@@ -128,6 +133,9 @@ def write_checkpoint(out_dir: str | Path, raw_config: dict, tensors: dict[str, t
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     write_byte_tokenizer(out / "tokenizer.json", bos_id=1, eos_id=2, pad_id=0)
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TINY_CHAT_TEMPLATE, "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
+        indent=2) + "\n")
     return out
 
 
@@ -143,10 +151,11 @@ def build_tiny_checkpoint(out_dir: str | Path, name: str = "tiny", *, seed: int 
 
 def embedded_checkpoint(name: str = "tiny") -> Path:
     """The demo's checkpoint: built on first use under the cache dir, reused afterwards. The folder is
-    named after the config's contents, so a changed config (an MTP head added, say) builds a new one."""
-    digest = hashlib.sha256(json.dumps(TINY_CONFIGS[name], sort_keys=True).encode()).hexdigest()[:12]
+    named after the config's contents (and the chat template's), so a changed config (an MTP head added,
+    say) builds a new one."""
+    digest = hashlib.sha256(json.dumps([TINY_CONFIGS[name], TINY_CHAT_TEMPLATE], sort_keys=True).encode()).hexdigest()[:12]
     path = default_cache_dir() / "checkpoints" / f"{name}-seed0-{digest}"
-    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
+    if not all((path / f).is_file() for f in ("config.json", "tokenizer.json", "tokenizer_config.json")):
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         build_tiny_checkpoint(tmp, name)
         path.parent.mkdir(parents=True, exist_ok=True)

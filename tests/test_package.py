@@ -65,7 +65,7 @@ def test_a_later_engine_loads_the_packaged_step_and_traces_nothing(checkpoint):
         "import json, sys, torch\n"
         "from inkling_compiled.engine import Engine\n"
         "from inkling_compiled.sampling import SamplingParams\n"
-        f"e = Engine.from_pretrained(sys.argv[1], progress=False, **{sizes!r})\n"
+        f"e = Engine.from_pretrained(sys.argv[1], progress=True, **{sizes!r})\n"
         f"out = e.generate({PROMPTS!r}, SamplingParams(max_new_tokens=8, ignore_eos=True))\n"
         "print(json.dumps([e.worker.decoder.packaged, torch._dynamo.utils.counters['stats']['unique_graphs'],\n"
         "                  [o.token_ids for o in out]]))\n")
@@ -73,6 +73,9 @@ def test_a_later_engine_loads_the_packaged_step_and_traces_nothing(checkpoint):
                           check=True)
     packaged, frames, new_tokens = json.loads(done.stdout.splitlines()[-1])
     assert packaged and frames == 0 and new_tokens == tokens
+    # and its start-up says so: warming, not compiling
+    assert "compiling" not in done.stderr and "warming the saved decode step: bucket 8" in done.stderr
+    assert "(loaded from its compile package: nothing compiled)" in done.stderr
 
 
 def test_the_key_follows_the_graph_not_the_pool(checkpoint):

@@ -24,8 +24,7 @@ openai = pytest.importorskip("openai")
 
 from inkling_compiled import Engine, SamplingParams  # noqa: E402
 from inkling_compiled.step_plan import StepKind  # noqa: E402
-from inkling_compiled.server.serve import ApiServer  # noqa: E402
-from inkling_compiled.server.chat import ChatTemplate  # noqa: E402
+from http_helpers import http, metric, metric_or_zero, start, wait_for  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -51,14 +50,6 @@ def oracle(chat_checkpoint):
     return solo
 
 
-def start(path, **options) -> ApiServer:
-    engine_options = {k: options.pop(k) for k in ("max_batch_size",) if k in options}
-    engine = Engine.from_pretrained(path, compile=False, progress=False, **{"max_batch_size": 8, **engine_options})
-    server = ApiServer(engine, port=0, model_name="tiny", chat_template=ChatTemplate.from_checkpoint(path), **options)
-    server.start()
-    return server
-
-
 @pytest.fixture(scope="module")
 def server(chat_checkpoint):
     server = start(chat_checkpoint, max_waiting=64)
@@ -70,37 +61,6 @@ def server(chat_checkpoint):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def http(server, method: str, path: str, body=None, raw: bytes | None = None):
-    """(status, headers, parsed JSON or text) of one plain request."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as r:
-            status, headers, text = r.status, r.headers, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, headers, text = e.code, e.headers, e.read().decode()
-    try:
-        return status, headers, json.loads(text)
-    except json.JSONDecodeError:
-        return status, headers, text
-
-
-def metric(server, name: str) -> float:
-    _, _, text = http(server, "GET", "/metrics")
-    for line in text.splitlines():
-        if line.startswith(f"inkling_{name} ") or line.startswith(f"inkling_{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
-def wait_for(condition, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 # ---- completions ------------------------------------------------------------------------------------
@@ -233,14 +193,17 @@ def test_bad_bodies_get_400_with_the_engine_message(server, body, raw, message):
     assert answer["error"]["type"] == "invalid_request_error"
 
 
-def test_unknown_model_and_chat_without_a_template(server, checkpoint, client):
+def test_unknown_model_and_chat_without_a_template(server, checkpoint, client, tmp_path):
     status, _, answer = http(server, "POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
     assert status == 404 and "gpt-9" in answer["error"]["message"]
     status, _, answer = http(server, "GET", "/v1/nothing")
     assert status == 404 and answer["error"]["type"] == "not_found_error"
     status, _, answer = http(server, "POST", "/v1/chat/completions", {"messages": [{"role": "wizard"}]})
     assert status == 400 and "messages[0] needs a role" in answer["error"]["message"]
-    plain = start(checkpoint("tiny"))  # no chat template
+    bare = tmp_path / "tiny-no-template"
+    shutil.copytree(checkpoint("tiny"), bare)
+    (bare / "tokenizer_config.json").unlink()
+    plain = start(bare)  # no chat template
     try:
         status, _, answer = http(plain, "POST", "/v1/chat/completions",
                                  {"messages": [{"role": "user", "content": "hi"}]})
@@ -359,12 +322,6 @@ def test_a_client_that_disconnects_frees_its_slot(server):
     conn.close()
     wait_for(lambda: metric_or_zero(server, 'requests_finished_total{reason="abort"}') == aborted + 2, seconds=10)
     assert metric(server, "requests_running") == 0 and metric(server, "slots_free") == 8
-
-
-def metric_or_zero(server, name: str) -> float:
-    _, _, text = http(server, "GET", "/metrics")
-    line = next((line for line in text.splitlines() if line.startswith(f"inkling_{name} ")), None)
-    return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
 
 # ---- the CLI: serve, SIGTERM ------------------------------------------------------------------------

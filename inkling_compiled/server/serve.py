@@ -81,10 +81,26 @@ class _Uvicorn(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on (host, port), a free port when port is 0: connections queue from now on, before
+    uvicorn takes it over. An OSError says why it cannot (a port in use, an address not of this machine)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class ApiServer:
-    def __init__(self, engine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "inkling",
-                 max_waiting: int = 256, chat_template: ChatTemplate | None = None, shutdown_timeout: float = 10.0,
-                 default_max_tokens: int = 16, limits: Limits = Limits()):
+    def __init__(self, engine, *, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
+                 model_name: str = "inkling", max_waiting: int = 256, chat_template: ChatTemplate | None = None,
+                 shutdown_timeout: float = 10.0, default_max_tokens: int = 16, limits: Limits = Limits()):
+        """Listens on `sock` when given (bound by `listen`), else on (host, port) once started."""
         self.host, self.port, self.shutdown_timeout = host, port, shutdown_timeout
         self.loop = EngineLoop(engine, max_waiting)
         self.app = build_app(self.loop, model_name, chat_template, default_max_tokens, limits)
@@ -95,7 +111,9 @@ class ApiServer:
         self.uvicorn = _Uvicorn(config, self._shutting_down)
         self._deadline: threading.Timer | None = None
         self._thread: threading.Thread | None = None
-        self._socket: socket.socket | None = None
+        self._socket = sock
+        if sock is not None:
+            self.port = sock.getsockname()[1]
 
     def _shutting_down(self) -> None:
         """A signal came: requests in flight get `shutdown_timeout` seconds, then are aborted."""
@@ -106,19 +124,14 @@ class ApiServer:
 
     def bind(self) -> int:
         """Listens on (host, port) now, a free port when port is 0; returns the port."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.listen(2048)  # connections queue from now on, before uvicorn takes the socket over
-        self.port = sock.getsockname()[1]
-        self._socket = sock
+        if self._socket is None:
+            self._socket = listen(self.host, self.port)
+            self.port = self._socket.getsockname()[1]
         return self.port
 
     def run(self) -> None:
         """Serves until SIGINT/SIGTERM (in the main thread) or `stop()`; then stops the engine loop."""
-        if self._socket is None:
-            self.bind()
+        self.bind()
         self.loop.start()
         try:
             self.uvicorn.run(sockets=[self._socket])

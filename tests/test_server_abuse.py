@@ -1,0 +1,337 @@
+"""The server under clients that misbehave: mass disconnects, huge and malformed bodies, slow senders,
+limits, and the CLI's refusals before anything loads. Oracles: the event loop's own responsiveness
+(`/health` answered while the abuse goes on, bounded generously), status codes and messages, the
+engine's metrics (slots and pages back), and `Engine.generate` for what a stream must carry.
+"""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from inkling_compiled import Engine, SamplingParams  # noqa: E402
+from inkling_compiled.server.body import Limits  # noqa: E402
+from http_helpers import http, metric, start, wait_for  # noqa: E402
+
+STALL_BOUND = 0.5  # seconds: /health must answer within this while others abuse the server
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    server = start(checkpoint("tiny"), max_waiting=256, limits=Limits(max_body_bytes=64 * 2**20))
+    yield server
+    server.stop()
+    server.loop.engine.close()
+
+
+class HealthProbe:
+    """Asks /health every 20 ms on a thread; `worst` is the longest answer it waited for."""
+
+    def __init__(self, server):
+        self.server, self.worst, self.answers = server, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            assert http(self.server, "GET", "/health")[0] == 200
+            self.worst = max(self.worst, time.perf_counter() - t0)
+            self.answers += 1
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(30)
+
+
+def open_stream(port: int, body: dict) -> socket.socket:
+    """A raw streaming request whose first event has been read (so its request runs or waits)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    data = json.dumps({**body, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    return sock
+
+
+def slow_steps(engine, monkeypatch, seconds: float):
+    """Each forward takes `seconds` longer (a sleep, which lets the interpreter go as a kernel does): the
+    engine of a model much larger than tiny."""
+    real = engine.worker.runner.run
+
+    def slow(plan):
+        time.sleep(seconds)
+        return real(plan)
+
+    monkeypatch.setattr(engine.worker.runner, "run", slow)
+
+
+def test_a_hundred_clients_leaving_at_once_stall_nobody(server, monkeypatch):
+    """100 streams (8 running, the rest waiting) vanish together while steps are slow: /health and a
+    surviving stream go on, and every slot comes back. Aborting used to wait for the engine's lock on the
+    event loop, once per client."""
+    slow_steps(server.loop.engine, monkeypatch, 0.05)
+    survivor = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=60)
+    gaps, stream_done = [], threading.Event()
+
+    def survive():
+        last = time.perf_counter()
+        for _ in survivor.completions.create(model="tiny", prompt="hi", max_tokens=60, stream=True,
+                                             extra_body={"ignore_eos": True}):
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        stream_done.set()
+
+    keeper = threading.Thread(target=survive)
+    keeper.start()
+    wait_for(lambda: metric(server, "requests_running") == 1)
+    socks = [open_stream(server.port, {"prompt": [5, 6, 7], "max_tokens": 1500, "ignore_eos": True})
+             for _ in range(100)]
+    wait_for(lambda: metric(server, "requests_running") + metric(server, "requests_waiting") == 101)
+    with HealthProbe(server) as probe:
+        time.sleep(0.1)
+        for s in socks:
+            s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        wait_for(lambda: metric(server, "requests_waiting") == 0 and metric(server, "requests_running") <= 1)
+        time.sleep(0.3)
+    keeper.join(120)
+    assert probe.answers > 3 and probe.worst < STALL_BOUND, probe.worst
+    assert stream_done.is_set() and max(gaps[1:]) < 1.0, max(gaps[1:])
+    monkeypatch.undo()
+    wait_for(lambda: metric(server, "requests_running") == 0 and metric(server, "slots_free") == 8)
+
+
+def test_a_four_million_id_prompt_is_refused_by_its_length_without_a_stall(server):
+    """A 4M-id prompt (28 MB, within this server's 64 MiB limit) is a 400 naming its length, and /health
+    answers meanwhile: the length is checked before any id is."""
+    body = json.dumps({"prompt": [5] * 4_000_000, "max_tokens": 4}).encode()
+    with HealthProbe(server) as probe:
+        time.sleep(0.1)
+        t0 = time.perf_counter()
+        status, _, answer = http(server, "POST", "/v1/completions", raw=body)
+        took = time.perf_counter() - t0
+        time.sleep(0.1)
+    assert status == 400 and "prompt of 4000000 tokens is too long" in answer["error"]["message"]
+    assert took < 5 and probe.worst < STALL_BOUND, (took, probe.worst)
+
+
+@pytest.mark.parametrize("raw, field", [
+    (b'{"prompt": "\\ud800"}', "prompt holds a lone surrogate"),
+    (b'{"prompt": "ok \\udfff"}', "prompt holds a lone surrogate ('\\udfff' at character 3)"),
+    (b'{"prompt": "hi", "stop": ["\\ud800"]}', "stop[0] holds a lone surrogate"),
+], ids=["high", "low", "stop"])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, raw, field):
+    status, headers, answer = http(server, "POST", "/v1/completions", raw=raw)
+    assert status == 400 and field in answer["error"]["message"], answer
+    assert "application/json" in headers["Content-Type"]
+
+
+def test_a_lone_surrogate_in_chat_content_or_the_model_name_is_a_json_4xx(server):
+    status, _, answer = http(server, "POST", "/v1/chat/completions",
+                             raw=b'{"messages": [{"role": "user", "content": "a\\ud83d"}]}')
+    assert status == 400 and "messages[0].content holds a lone surrogate" in answer["error"]["message"]
+    status, _, answer = http(server, "POST", "/v1/completions", raw=b'{"model": "\\ud800", "prompt": "hi"}')
+    assert status == 404 and "does not exist" in answer["error"]["message"]
+    # a valid pair is text like any other
+    status, _, answer = http(server, "POST", "/v1/completions",
+                             raw=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 2}')
+    assert status == 200 and answer["usage"]["prompt_tokens"] == 4  # the emoji's 4 UTF-8 bytes
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
+                                 b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"], ids=["array", "field"])
+def test_deeply_nested_json_is_a_400_not_a_503(server, raw):
+    status, _, answer = http(server, "POST", "/v1/completions", raw=raw)
+    assert status == 400 and "nested too deeply" in answer["error"]["message"], answer
+    assert http(server, "GET", "/health")[0] == 200
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_a_400_naming_both(server):
+    status, _, answer = http(server, "POST", "/v1/completions", {"prompt": [5] * 2000, "max_tokens": 100})
+    assert status == 400, answer
+    assert "prompt's 2000 tokens plus max_tokens=100 are more than max_model_len=2048" in answer["error"]["message"]
+    status, _, answer = http(server, "POST", "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "x" * 2000}], "max_completion_tokens": 100})
+    assert status == 400 and "max_completion_tokens=100" in answer["error"]["message"]
+    # without a length, the default fits or is cut to the room left
+    status, _, answer = http(server, "POST", "/v1/completions", {"prompt": [5] * 2040, "ignore_eos": True})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 8
+
+
+def test_every_step_that_brought_tokens_sends_an_event_with_its_logprobs(server, checkpoint):
+    """Greedy bytes of the random tiny model include unfinished UTF-8 characters, whose text is empty until
+    the character ends: every token still gets its event, carrying its logprob, and the usage so far."""
+    oracle = Engine.from_pretrained(checkpoint("tiny"), compile=False, progress=False)
+    prompt = next(p for p in ([5, 9, 11, 200], [7, 7, 7], [100, 40, 3], [250, 1, 80])
+                  if any(t >= 3 + 0x80 for t in oracle.generate([p], SamplingParams(max_new_tokens=12,
+                                                                                    temperature=0))[0].token_ids))
+    want = oracle.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0, logprobs=True))[0]
+    oracle.close()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=60)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": True}))
+    events = [c for c in chunks if c.choices]
+    assert len(events) == 12  # one per step: no speculation, one token each
+    assert any(e.choices[0].text == "" for e in events)  # an unfinished character's event is still sent
+    assert [len(e.choices[0].logprobs.tokens) for e in events] == [1] * 12
+    assert [e.choices[0].logprobs.token_logprobs[0] for e in events] == pytest.approx(want.logprobs, abs=1e-4)
+    assert [e.usage.completion_tokens for e in events] == list(range(1, 13))
+    assert "".join(e.choices[0].text for e in events) == want.text and chunks[-1].usage.completion_tokens == 12
+
+
+def test_bench_serve_counts_tokens_as_usage_does(server):
+    """The bench client's token arrivals are what the server's usage says, one per generated token."""
+    import http.client
+
+    from inkling_compiled.bench_serve import _stream
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        for new_tokens in (1, 9):  # and on one kept-alive connection
+            sent, arrivals = _stream(conn, [5, 6, 7], new_tokens)
+            assert len(arrivals) == new_tokens and all(a >= sent for a in arrivals)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "hi", "stop": [str(i) for i in range(17)]}, "17 stops (stop and stop_token_ids) are more than "
+                                                           "max_stop_strings=16"),
+    ({"prompt": "hi", "stop": ["x"] * 10, "stop_token_ids": [5] * 7}, "17 stops"),
+    ({"prompt": "hi", "stop": ["y" * 257]}, "stop[0] has 257 characters, more than max_stop_chars=256"),
+    ({"prompt": "hi", "stop_token_ids": [999]}, "stop token id 999 is out of range [0, "),
+    ({"prompt": "hi", "stop": [5, -1]}, "stop token id -1 is out of range"),
+    ({"prompt": "hi", "max_tokens": 2**40}, "max_tokens must be an integer in 1..2147483647"),
+    ({"prompt": "hi", "top_k": 2**40}, "top_k must be an integer in -1..2147483647"),
+], ids=["count", "count-with-ids", "length", "oov-id", "negative-id", "max_tokens", "top_k"])
+def test_stop_limits_and_field_names(server, body, message):
+    status, _, answer = http(server, "POST", "/v1/completions", body)
+    assert status == 400 and message in answer["error"]["message"], answer
+    assert "max_new_tokens" not in answer["error"]["message"]
+
+
+def test_bodies_over_the_limit_are_413_before_they_are_read(checkpoint):
+    small = start(checkpoint("tiny"), limits=Limits(max_body_bytes=1000, header_timeout=0.5, body_timeout=0.5))
+    try:
+        # a declared length over the limit: answered at once, without sending the body
+        sock = socket.create_connection(("127.0.0.1", small.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+        sock.close()
+        # chunked, with no length: refused once it grows past the limit
+        status, _, answer = http(small, "POST", "/v1/completions", {"prompt": "x" * 2000})
+        assert status == 413 and "larger than max_body_bytes=1000" in answer["error"]["message"]
+        # a body shorter than its Content-Length: 408 after body_timeout, not held forever
+        sock = socket.create_connection(("127.0.0.1", small.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{\"prompt\"")
+        t0 = time.perf_counter()
+        reply = sock.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply
+        assert time.perf_counter() - t0 < 5
+        sock.close()
+        # headers that trickle (or never come): a 408 and the connection closed after header_timeout
+        socks = [socket.create_connection(("127.0.0.1", small.port), timeout=10) for _ in range(50)]
+        for s in socks[:25]:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHo")
+        t0 = time.perf_counter()
+        for s in socks:
+            assert s.recv(4096).startswith(b"HTTP/1.1 408") and s.recv(4096) == b""
+            s.close()
+        assert time.perf_counter() - t0 < 5
+        # a kept-alive connection gets a new deadline after each response, and normal requests go on
+        sock = socket.create_connection(("127.0.0.1", small.port), timeout=10)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(0.8)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 408")
+        sock.close()
+        assert http(small, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+    finally:
+        small.stop()
+        small.loop.engine.close()
+
+
+def test_head_health_and_the_pages_cached_gauge(server):
+    status, _, _ = http(server, "HEAD", "/health")
+    assert status == 200
+    server.loop.engine.clear_prefix_cache()
+    wait_for(lambda: metric(server, "pages_cached") == 0)
+    http(server, "POST", "/v1/completions", {"prompt": [9] * 40, "max_tokens": 2})
+    wait_for(lambda: metric(server, "requests_running") == 0)
+    assert metric(server, "pages_cached") == 40 // 16  # the prompt's full pages stay cached
+
+
+def test_limits_refuse_nonsense():
+    for bad in (dict(max_body_bytes=0), dict(max_stop_strings=-1), dict(header_timeout=float("nan")),
+                dict(body_timeout=0), dict(header_timeout=float("inf"))):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Limits(**bad)
+
+
+# ---- the CLI refuses before it loads anything --------------------------------------------------------
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Engine.from_pretrained fails the test if reached: every refusal below comes before the model loads."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(Engine, "from_pretrained", load)
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--port", "99999"], "'99999' is not a port number (0..65535"),
+    (["--port", "-5"], "'-5' is not a port number"),
+    (["--shutdown-timeout", "nan"], "'nan' must be a finite number of seconds >= 0"),
+    (["--shutdown-timeout", "-1"], "'-1' must be a finite number of seconds >= 0"),
+    (["--header-timeout", "inf"], "'inf' must be a finite number of seconds"),
+    (["--max-body-bytes", "0"], "'0' must be at least 1"),
+], ids=["port-high", "port-negative", "timeout-nan", "timeout-negative", "header-inf", "body-zero"])
+def test_serve_refuses_bad_options_before_loading(checkpoint, no_loading, capsys, options, message):
+    from inkling_compiled.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model", str(checkpoint("tiny"))] + options)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    # a zero timeout is a number argparse takes; the limits refuse it
+    assert main(["serve", "--model", str(checkpoint("tiny")), "--body-timeout", "0"]) == 2
+    assert "body_timeout must be a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_busy_port_a_bad_host_and_no_tokenizer_before_loading(checkpoint, no_loading, capsys,
+                                                                              tmp_path):
+    import shutil
+
+    from inkling_compiled.cli import main
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", str(checkpoint("tiny")), "--port", str(port)]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+    finally:
+        busy.close()
+    assert main(["serve", "--model", str(checkpoint("tiny")), "--host", "256.1.1.1"]) == 2
+    assert "cannot listen on 256.1.1.1:8000" in capsys.readouterr().err
+    assert main(["serve", "--model", str(checkpoint("tiny")), "--host", "192.0.2.1"]) == 2  # not this machine's
+    assert "cannot listen on 192.0.2.1:8000" in capsys.readouterr().err
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(checkpoint("tiny"), bare)
+    (bare / "tokenizer.json").unlink()
+    assert main(["serve", "--model", str(bare)]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
