@@ -93,16 +93,20 @@ def _stream(conn: http.client.HTTPConnection, prompt: list[int], new_tokens: int
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-    arrivals, counted = [], 0
-    for line in response:
-        if line.startswith(b"data: [DONE]"):
+    arrivals, counted, pending, done = [], 0, b"", False
+    while not done:
+        block = response.read1(65536)  # whatever has arrived: events that came together arrive together
+        if not block:
             break
-        found = _COMPLETION_TOKENS.search(line) if line.startswith(b"data: ") else None
-        if found is None:
-            continue
-        now, total = time.perf_counter(), int(found.group(1))
-        arrivals += [now] * (total - counted)
-        counted = total
+        now = time.perf_counter()
+        events = pending + block
+        cut = events.rfind(b"\n\n") + 2  # parse whole events only; keep the rest for the next block
+        for found in _COMPLETION_TOKENS.finditer(events, 0, cut):
+            total = int(found.group(1))
+            arrivals += [now] * (total - counted)
+            counted = total
+        done = b"data: [DONE]" in events[:cut]
+        pending = events[cut:] if cut > 1 else events
     response.read()
     if counted != new_tokens:
         raise RuntimeError(f"the stream's usage says {counted} completion tokens, not {new_tokens}")
@@ -154,35 +158,58 @@ def _clients(port: int, prompts: list[list[int]], concurrency: int, new_tokens: 
     return _summary(time.perf_counter() - t0, arrivals, starts)
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run whose tokens/s is the median of `runs` (all its numbers, from one run)."""
+    return sorted(runs, key=lambda r: r["tokens_s"])[len(runs) // 2]
+
+
 def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt_len: int, new_tokens: int,
-                    log=print) -> dict:
+                    engine_process: bool = True, repeats: int = 3, log=print) -> dict:
+    """The API on an engine of this process, and the server over an engine of its own process
+    (`engine_process`, as `serve` runs) or that same engine stepped on a thread of this one. With an engine
+    process the two paths take turns, `repeats` times each, and each reports its median run: a machine
+    whose speed drifts moves both alike."""
+    from .server.engine_process import EngineProcess
     from .server.serve import ApiServer
 
     torch.set_num_threads(1)
-    results = {"config": config, "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": []}
+    results = {"config": config, "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens,
+               "engine_process": engine_process, "repeats": repeats, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(Path(tmp) / config, config)
-        engine = Engine.from_pretrained(path, max_batch_size=max(concurrencies), prefix_cache=False,
-                                        max_model_len=prompt_len + new_tokens + 1, progress=False)
+        options = dict(max_batch_size=max(concurrencies), prefix_cache=False,
+                       max_model_len=prompt_len + new_tokens + 1, progress=False)
+        engine = Engine.from_pretrained(path, **options)
         with engine:
-            api = {}
-            for c in concurrencies:  # the API first: the server's loop thread must not step beside it
+            api: dict[int, list[dict]] = {c: [] for c in concurrencies}
+            for c in concurrencies:
                 run_api(engine, _prompts(c, prompt_len), c, new_tokens)  # untimed: every bucket on the way
-                api[c] = run_api(engine, _prompts(requests, prompt_len), c, new_tokens)
-            server = ApiServer(engine, port=0, max_waiting=requests)
+            if engine_process:
+                server = ApiServer(EngineProcess(path, options, max_waiting=requests, threads=1), port=0)
+            else:  # the API's runs all come first: the server's loop thread must not step beside them
+                for c in concurrencies:
+                    api[c] = [run_api(engine, _prompts(requests, prompt_len), c, new_tokens) for _ in range(repeats)]
+                server = ApiServer(engine, port=0, max_waiting=requests)
             port = server.start()
             try:
                 for c in concurrencies:
                     run_http(port, _prompts(c, prompt_len), c, new_tokens)
-                    http_run = run_http(port, _prompts(requests, prompt_len), c, new_tokens)
-                    row = {"concurrency": c, "http": http_run, "api": api[c],
-                           "http_over_api": http_run["tokens_s"] / api[c]["tokens_s"]}
+                    http_runs = []
+                    for _ in range(repeats):
+                        if engine_process:
+                            api[c].append(run_api(engine, _prompts(requests, prompt_len), c, new_tokens))
+                        http_runs.append(run_http(port, _prompts(requests, prompt_len), c, new_tokens))
+                    http_run, api_run = _median_run(http_runs), _median_run(api[c])
+                    row = {"concurrency": c, "http": http_run, "api": api_run,
+                           "http_over_api": http_run["tokens_s"] / api_run["tokens_s"],
+                           "tokens_s_all": {"http": [r["tokens_s"] for r in http_runs],
+                                            "api": [r["tokens_s"] for r in api[c]]}}
                     results["runs"].append(row)
-                    log(f"concurrency {c:>3}: HTTP {http_run['tokens_s']:8.1f} tok/s, API {api[c]['tokens_s']:8.1f} "
+                    log(f"concurrency {c:>3}: HTTP {http_run['tokens_s']:8.1f} tok/s, API {api_run['tokens_s']:8.1f} "
                         f"tok/s ({row['http_over_api']:.2f}x); TTFT p50 {http_run['ttft_p50_ms']:.1f} ms vs "
-                        f"{api[c]['ttft_p50_ms']:.1f} ms")
+                        f"{api_run['ttft_p50_ms']:.1f} ms")
             finally:
-                server.stop()
+                server.stop()  # and its engine loop or process
     return results
 
 

@@ -198,6 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .engine import Engine
     from .server.body import Limits
     from .server.chat import ChatTemplate
+    from .server.engine_process import EngineProcess
     from .server.serve import ApiServer, listen
 
     try:
@@ -217,15 +218,24 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     name = args.served_model_name or Path(args.model).resolve().name
-    torch.set_num_threads(args.threads)
-    with sock, Engine.from_pretrained(args.model, max_model_len=args.max_model_len, **_engine_args(args)) as engine:
+    options = dict(max_model_len=args.max_model_len, **_engine_args(args))
+    with sock:
+        if args.engine_process:  # the engine steps in a process of its own; HTTP keeps this one
+            engine = EngineProcess(args.model, options, max_waiting=args.max_waiting, threads=args.threads)
+        else:
+            torch.set_num_threads(args.threads)
+            engine = Engine.from_pretrained(args.model, **options)
         server = ApiServer(engine, sock=sock, model_name=name, max_waiting=args.max_waiting,
                            chat_template=chat_template, shutdown_timeout=args.shutdown_timeout,
                            default_max_tokens=args.max_new_tokens, limits=limits)
         print(f"inkling-compiled: serving {name!r} at http://{args.host}:{server.port}/v1 (chat "
               f"{'on' if chat_template else 'off: no chat template'}); SIGINT or SIGTERM stops it", file=sys.stderr,
               flush=True)
-        server.run_until_signal()
+        try:
+            server.run_until_signal()  # stops the engine loop or process on its way out
+        finally:
+            if not args.engine_process:
+                engine.close()
     print("inkling-compiled: server stopped", file=sys.stderr)
     return 0
 
@@ -233,7 +243,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from .bench_serve import run_serve_bench, serve_table
 
-    results = run_serve_bench(args.config, args.concurrency, args.requests, args.prompt_len, args.new_tokens)
+    results = run_serve_bench(args.config, args.concurrency, args.requests, args.prompt_len, args.new_tokens,
+                              engine_process=args.engine_process, repeats=args.repeats)
     return _report(results, serve_table(results), args.json)
 
 
@@ -484,6 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--body-timeout", type=seconds, default=limits.body_timeout,
                      help="seconds a request may take to send its body after its headers (then 408)")
     srv.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + generated tokens per request")
+    srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                     help="step the engine in a process of its own, so HTTP never waits for the interpreter "
+                          "(--no-engine-process: on a thread of the server's process)")
     _add_engine_options(srv)
     srv.set_defaults(run=_serve)
 
@@ -493,6 +507,10 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--requests", type=positive_int, default=64, help="requests per concurrency")
     bs.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
     bs.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per request")
+    bs.add_argument("--repeats", type=positive_int, default=3, help="runs per path and concurrency (median kept)")
+    bs.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                    help="the server's engine in a process of its own, as serve runs it (--no-engine-process: on a "
+                         "thread of the server's process)")
     bs.add_argument("--json", default="bench-serve.json", help="results file")
     bs.set_defaults(run=_bench_serve)
     return p

@@ -170,7 +170,7 @@ class Request:
     def output_since_reported(self, tokenizer) -> RequestOutput:
         """Its output now, carrying the tokens (and text) since the previous one."""
         new_text = None
-        if tokenizer is not None:
+        if tokenizer is not None and self.params.detokenize:
             if self.text is None:
                 self.text = IncrementalText(tokenizer)
             new_text = self.text.advance(self.output, final=self.finish_reason is not None) \

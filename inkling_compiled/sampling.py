@@ -34,6 +34,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: bool = False  # logprob of each chosen token (under the model's distribution, before temperature)
     top_logprobs: int = 0  # also the n most likely (token, logprob) pairs per step
+    detokenize: bool = True  # outputs carry `new_text`; False leaves it None (a server that decodes text itself)
 
     def __post_init__(self):
         problems = []
@@ -53,7 +54,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (tuple, list)) or \
                 not all(is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be a sequence of non-negative integers, got {self.stop_token_ids!r}")
-        for flag in ("ignore_eos", "logprobs"):
+        for flag in ("ignore_eos", "logprobs", "detokenize"):
             if not isinstance(getattr(self, flag), bool):
                 problems.append(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if problems:

@@ -289,7 +289,10 @@ def no_loading(monkeypatch):
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
+    from inkling_compiled.server.engine_process import EngineProcess
+
     monkeypatch.setattr(Engine, "from_pretrained", load)
+    monkeypatch.setattr(EngineProcess, "__init__", load)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,7 +26,7 @@ from ..errors import InklingError, RequestError
 from ..requests import RequestOutput, prompt_ids
 from .body import BodyTimeout, BodyTooLarge, Limits, parse_json, read_body
 from .chat import ChatTemplate, checked_messages
-from .loop import STEP_BUCKETS, EngineLoop, QueueFull
+from .loop import STEP_BUCKETS, Frontend, QueueFull
 from .protocol import (Job, Rules, chat_job, chat_logprobs, check_room, completion_job, completion_logprobs,
                        envelope, error_body, finish_reason, usage)
 from .text import TextStream
@@ -41,14 +42,14 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
-def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | None = None,
+def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | None = None,
               default_max_tokens: int = 16, limits: Limits = Limits()) -> FastAPI:
     """`default_max_tokens`: a completion's length when the body gives none (the API's default is 16)."""
-    engine = loop.engine
-    tokenizer = engine.tokenizer
+    tokenizer = loop.tokenizer
     if tokenizer is None:
         raise ValueError("serving needs the checkpoint's tokenizer.json (responses are text)")
-    rules = Rules(engine.max_model_len, engine.config.vocab_size, limits, default_max_tokens)
+    max_model_len = loop.max_model_len
+    rules = Rules(max_model_len, loop.vocab_size, limits, default_max_tokens)
     app = FastAPI(title="inkling-compiled", docs_url=None, redoc_url=None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -82,7 +83,7 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
             check_model(body)
             job: Job = make_job(body)
             ids = await token_ids(job)
-            check_room(job, len(ids), engine.max_model_len)
+            check_room(job, len(ids), max_model_len)
             return job, await loop.submit(ids, job.params)
         except RequestError as e:
             return None, error(400, str(e))
@@ -141,7 +142,7 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
                 finished = answer.done
             if finished and answer.job.include_usage:
                 yield sse(answer.usage_chunk())
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
         finally:
             if not finished or answer.stopped_early:  # the client left (or a stop string ended it): free it now
                 loop.abort(sub, reason="stop" if answer.stopped_early else "abort")
@@ -157,7 +158,7 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(loop.started),
-                                            "owned_by": "inkling-compiled", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "inkling-compiled", "max_model_len": max_model_len}]}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -167,7 +168,7 @@ def build_app(loop: EngineLoop, model_name: str, chat_template: ChatTemplate | N
 
     @app.get("/metrics")
     async def metrics():
-        text = await asyncio.to_thread(prometheus, loop)  # engine.stats() waits for the engine's lock
+        text = await asyncio.to_thread(prometheus, loop)  # the engine's state waits for a step in progress
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
@@ -202,8 +203,11 @@ async def next_output(sub, watch: ClientWatch):
             continue
 
 
-def sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
+_json = msgspec.json.Encoder()
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 class Answer:
@@ -293,10 +297,10 @@ class Answer:
         return body
 
 
-def prometheus(loop: EngineLoop) -> str:
-    """Prometheus text exposition of the loop's counters and the engine's state."""
-    engine, m = loop.engine, loop.metrics
-    stats = engine.stats()
+def prometheus(loop: Frontend) -> str:
+    """Prometheus text exposition of the core's counters and the engine's state."""
+    state = loop.state()
+    m, stats, now = state["metrics"], state["stats"], state["snapshot"]
     lines = []
 
     def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
@@ -304,7 +308,6 @@ def prometheus(loop: EngineLoop) -> str:
         lines.append(f"# TYPE inkling_{name} {kind}")
         lines.extend(f"inkling_{name}{labels} {value}" for labels, value in samples)
 
-    now = engine.snapshot()
     metric("requests_running", "gauge", "Requests holding a slot (prefilling or decoding).",
            [("", now["running"] + now["prefilling"])])
     metric("requests_waiting", "gauge", "Requests waiting for a slot.", [("", now["waiting"])])

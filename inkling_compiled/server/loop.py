@@ -1,21 +1,29 @@
-"""One thread owns the engine: it adds, aborts and steps; HTTP handlers only send it commands.
+"""The engine's side of serving (`EngineCore`) and the handlers' side (`Frontend`), joined by commands.
 
-A handler never waits for the engine. `submit` and `abort` put a command in the loop's inbox and return
-(`submit` then awaits its admission, which comes at the next step boundary); the engine thread runs
-every command in the inbox before each step, in the order they came, and hands each step's outputs to
-the event loops of the handlers that wait for them, one wake-up per event loop per step. So a hundred
-clients leaving at once cost the event loop a hundred appends, and a step in progress delays nobody's
-`/health`. A request that waits for a slot counts against `max_waiting`: past it, admission fails with
-`QueueFull` (the server's 429). Counters for /metrics are kept here, where every step and output passes.
+A handler never waits for the engine. `submit` and `abort` hand a command to whoever owns the engine
+and return (`submit` then awaits its admission, which comes at the next step boundary); the owner runs
+every command before each step, in the order they came, and each step's outputs reach the event loops
+of the handlers that wait for them, one wake-up per event loop per step. So a hundred clients leaving at
+once cost the event loop a hundred appends, and a step in progress delays nobody's `/health`.
+
+Two owners share this: `EngineLoop` (here) steps an engine of this process on a thread of its own, which
+tests and in-process tools use; `engine_process.EngineProcess` steps it in a process of its own, so that
+the event loop and the engine never take turns on one interpreter (what `serve` runs).
+
+A request that waits for a slot counts against `max_waiting`: past it, admission fails with `QueueFull`
+(the server's 429). Counters for /metrics are kept by the core, where every step and output passes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import threading
 import time
+
+import msgspec
 
 from ..errors import RequestError
 from ..requests import RequestOutput
@@ -29,40 +37,16 @@ class QueueFull(Exception):
     """More requests wait for a slot than the server takes (`max_waiting`)."""
 
 
-class Subscription:
-    """One request as a handler sees it: its admission (a future that gets the request id, or the reason it
-    was refused) and the queue its outputs arrive in, both on the handler's event loop."""
+class Metrics(msgspec.Struct):
+    """Totals since start, and a histogram of step times (a Struct: it crosses to the HTTP process)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.request_id: str | None = None  # set by the engine thread once admitted
-        self.admitted: asyncio.Future = loop.create_future()
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-
-def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
-    if future.done():  # its handler was cancelled meanwhile
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _put_all(items: list[tuple[Subscription, RequestOutput | BaseException]]) -> None:
-    for sub, item in items:
-        sub.queue.put_nowait(item)
-
-
-class Metrics:
-    """Totals since start, and a histogram of step times."""
-
-    def __init__(self):
-        self.prompt_tokens = self.generation_tokens = self.steps = 0
-        self.step_seconds = 0.0
-        self.step_buckets = [0] * len(STEP_BUCKETS)
-        self.finished: dict[str, int] = {}
-        self.rejected = 0  # 429s
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    step_buckets: list[int] = msgspec.field(default_factory=lambda: [0] * len(STEP_BUCKETS))
+    finished: dict[str, int] = msgspec.field(default_factory=dict)
+    rejected: int = 0  # 429s
 
     def step(self, seconds: float) -> None:
         self.steps += 1
@@ -72,50 +56,202 @@ class Metrics:
                 self.step_buckets[i] += 1
 
 
-class EngineLoop:
-    def __init__(self, engine, max_waiting: int = 256):
+class EngineCore:
+    """Admits, aborts and steps one engine, counting for /metrics. Used by one thread only."""
+
+    def __init__(self, engine, max_waiting: int):
         self.engine, self.max_waiting = engine, max_waiting
         self.metrics = Metrics()
-        self._inbox: collections.deque = collections.deque()  # (command, ...) tuples; deque appends are atomic
-        self._wake = threading.Event()
-        # Everything below is touched by the engine thread only.
-        self._subs: dict[str, Subscription] = {}
         self._sent: dict[str, int] = {}  # request id -> tokens already counted in generation_tokens
-        self._reasons: dict[str, str] = {}  # request id -> why the server ended it (counted for /metrics)
-        self._stopping = False
-        self.failure: str | None = None  # set when the engine can serve no more (its step raised, a rank died)
+        self._reasons: dict[str, str] = {}  # request id -> why the server ended it
+
+    def add(self, rid: str, prompt: list[int], params) -> None:
+        """Raises the engine's RequestError, QueueFull past `max_waiting`, RuntimeError once it is closed."""
+        waiting = self.engine.snapshot()["waiting"]
+        if waiting >= self.max_waiting:
+            self.metrics.rejected += 1
+            raise QueueFull(f"{waiting} requests are waiting for a slot (max_waiting={self.max_waiting}); "
+                            "retry shortly")
+        self.engine.add_request(prompt, params, request_id=rid)
+        self._sent[rid] = 0  # its prompt tokens are counted when its first output says how many
+
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        """Ends a request (`reason="stop"`: its stop string came, and /metrics counts it as stopped)."""
+        if rid not in self._sent:  # finished meanwhile
+            return
+        self._reasons[rid] = reason
+        try:
+            self.engine.abort(rid)
+        except RequestError:  # it finished in the step that just ran
+            pass
+
+    def abort_all(self) -> None:
+        for rid in list(self._sent):
+            try:
+                self.engine.abort(rid)
+            except RequestError:
+                pass
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; the outputs of this server's requests, counted."""
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        self.metrics.step(time.perf_counter() - t0)
+        return [out for out in outputs if self._account(out)]
+
+    def state(self) -> dict:
+        return {"snapshot": self.engine.snapshot(), "stats": self.engine.stats()}
+
+    def _account(self, out: RequestOutput) -> bool:
+        rid = out.request_id
+        sent = self._sent.get(rid)
+        if sent is None:  # not a request of this server's (added to the engine directly)
+            return False
+        m, new = self.metrics, len(out.new_token_ids)
+        if sent == 0 and new:
+            m.prompt_tokens += len(out.prompt_token_ids)
+        m.generation_tokens += new
+        self._sent[rid] = sent + new
+        if out.finished:
+            reason = self._reasons.pop(rid, out.finish_reason)
+            m.finished[reason] = m.finished.get(reason, 0) + 1
+            del self._sent[rid]
+        return True
+
+
+class Subscription:
+    """One request as a handler sees it: its admission (a future that gets the request id, or the reason it
+    was refused) and the queue its outputs arrive in, both on the handler's event loop."""
+
+    def __init__(self, request_id: str, prompt: list[int], loop: asyncio.AbstractEventLoop):
+        self.request_id, self.prompt, self.loop = request_id, prompt, loop
+        self.admitted: asyncio.Future = loop.create_future()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():  # else its handler was cancelled meanwhile
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(None)
+
+
+def _put_all(items: list) -> None:
+    for sub, item in items:
+        sub.queue.put_nowait(item)
+
+
+class Frontend:
+    """The handlers' side: request ids, subscriptions, and delivery to event loops. Subclasses carry the
+    commands ("add", "abort", "abort_all") to the engine's owner (`_send`) and report back through
+    `_admitted`, `_deliver` and `_fail_everyone`."""
+
+    tokenizer = None
+    max_model_len: int
+    vocab_size: int
+
+    def __init__(self):
+        self._subs: dict[str, Subscription] = {}
+        self._ids = itertools.count()
+        self.failure: str | None = None  # set when the engine can serve no more
         self.started = time.time()
-        self._thread = threading.Thread(target=self._run, name="inkling-engine-loop", daemon=True)
-
-    def start(self) -> "EngineLoop":
-        self._thread.start()
-        return self
-
-    # ---- called by handlers (any thread, never blocking) ------------------------------------------------
 
     async def submit(self, prompt: list[int], params) -> Subscription:
         """Admits a request (token ids, checked by the protocol) at the next step boundary; raises the
         engine's RequestError, QueueFull past `max_waiting`, or RuntimeError once the engine cannot serve."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
-        sub = Subscription(asyncio.get_running_loop())
-        self._send("add", sub, prompt, params)
+        sub = Subscription(str(next(self._ids)), prompt, asyncio.get_running_loop())
+        self._subs[sub.request_id] = sub
+        self._send("add", sub.request_id, prompt, params)
         try:
             await sub.admitted
         except asyncio.CancelledError:  # the client left before admission: the request must not outlive it
             self.abort(sub)
             raise
+        except BaseException:
+            self._subs.pop(sub.request_id, None)
+            raise
         return sub
 
     def abort(self, sub: Subscription, reason: str = "abort") -> None:
-        """Ends a request whose client went away (or, `reason="stop"`, whose stop string came: /metrics counts
-        it as stopped): its slot and pages are freed before the next step; nothing more is delivered."""
-        self._send("abort", sub, reason)
+        """Ends a request whose client went away (or, `reason="stop"`, whose stop string came): its slot and
+        pages are freed before the next step; nothing more is delivered for it."""
+        if self._subs.pop(sub.request_id, None) is not None:
+            self._send("abort", sub.request_id, reason)
 
     def abort_all(self) -> None:
-        """Ends every request the engine has (shutdown past its timeout): each one's handler gets a final
-        output with finish_reason "abort" and answers with it."""
+        """Ends every request (shutdown past its timeout): each handler gets a final "abort" output."""
         self._send("abort_all")
+
+    def _send(self, *command) -> None:
+        raise NotImplementedError
+
+    def _admitted(self, rid: str, error: BaseException | None) -> None:
+        sub = self._subs.get(rid)
+        if sub is not None:
+            sub.loop.call_soon_threadsafe(_resolve, sub.admitted, error)
+
+    def _deliver(self, outputs) -> None:
+        """Each output to its request's queue, one wake-up per event loop."""
+        pushes: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            sub = self._subs.pop(out.request_id, None) if out.finished else self._subs.get(out.request_id)
+            if sub is not None:
+                pushes.setdefault(sub.loop, []).append((sub, out))
+        for loop, items in pushes.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _fail_everyone(self, error: BaseException) -> None:
+        """Every handler waiting for admission or for outputs gets `error` (the engine is gone)."""
+        subs, self._subs = list(self._subs.values()), {}
+        pushes: dict[asyncio.AbstractEventLoop, list] = {}
+        for sub in subs:
+            pushes.setdefault(sub.loop, []).append((sub, error))
+        for loop, items in pushes.items():
+            try:
+                loop.call_soon_threadsafe(_resolve_or_put, items)
+            except RuntimeError:  # that event loop is closed already
+                pass
+
+
+def _resolve_or_put(items: list) -> None:
+    for sub, error in items:
+        if not sub.admitted.done():
+            sub.admitted.set_exception(error)
+        else:
+            sub.queue.put_nowait(error)
+
+
+class EngineLoop(Frontend):
+    """An engine of this process, stepped on a thread of its own; commands go through an inbox."""
+
+    def __init__(self, engine, max_waiting: int = 256):
+        super().__init__()
+        self.engine = engine
+        self.tokenizer, self.max_model_len, self.vocab_size = engine.tokenizer, engine.max_model_len, \
+            engine.config.vocab_size
+        self.core = EngineCore(engine, max_waiting)
+        self._inbox: collections.deque = collections.deque()  # deque appends are atomic
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="inkling-engine-loop", daemon=True)
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.core.metrics
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def state(self) -> dict:
+        """The engine's snapshot and stats, and the counters (waits for a step in progress: call off the loop)."""
+        return {**self.core.state(), "metrics": self.core.metrics}
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the engine thread; every handler still waiting gets an error."""
@@ -128,103 +264,30 @@ class EngineLoop:
         self._inbox.append(command)
         self._wake.set()
 
-    # ---- the engine thread ------------------------------------------------------------------------------
-
     def _run(self) -> None:
-        engine = self.engine
+        core = self.core
         while not self._stopping:
-            self._run_commands()
-            if not engine.has_unfinished():
+            while self._inbox:
+                command, *args = self._inbox.popleft()
+                if command == "add":
+                    try:
+                        core.add(*args)
+                        self._admitted(args[0], None)
+                    except (RequestError, QueueFull, RuntimeError) as e:  # RuntimeError: the engine is closed
+                        self._admitted(args[0], e)
+                elif command == "abort":
+                    core.abort(*args)
+                else:
+                    core.abort_all()
+            if not core.busy():
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
-            t0 = time.perf_counter()
             try:
-                outputs = engine.step()
+                outputs = core.step()
             except Exception as e:  # the engine contains request failures; this one stopped it
                 log.exception("the engine stopped")
                 self.failure = f"the engine stopped: {type(e).__name__}: {e}"
                 self._fail_everyone(RuntimeError(self.failure))
                 return
-            self.metrics.step(time.perf_counter() - t0)
-            pushes: dict[asyncio.AbstractEventLoop, list] = {}
-            for out in outputs:
-                sub = self._account(out)
-                if sub is not None:
-                    pushes.setdefault(sub.loop, []).append((sub, out))
-            for loop, items in pushes.items():
-                loop.call_soon_threadsafe(_put_all, items)
-
-    def _run_commands(self) -> None:
-        while self._inbox:
-            command, *args = self._inbox.popleft()
-            if command == "add":
-                self._add(*args)
-            elif command == "abort":
-                self._abort(*args)
-            elif command == "abort_all":
-                for rid in list(self._sent):
-                    self._end(rid)
-
-    def _add(self, sub: Subscription, prompt, params) -> None:
-        try:
-            waiting = self.engine.snapshot()["waiting"]
-            if waiting >= self.max_waiting:
-                self.metrics.rejected += 1
-                raise QueueFull(f"{waiting} requests are waiting for a slot (max_waiting={self.max_waiting}); "
-                                "retry shortly")
-            rid = self.engine.add_request(prompt, params)
-        except (RequestError, QueueFull, RuntimeError) as e:  # RuntimeError: the engine is closed
-            sub.loop.call_soon_threadsafe(_resolve, sub.admitted, None, e)
-            return
-        sub.request_id = rid
-        self._subs[rid] = sub
-        self._sent[rid] = 0  # its prompt tokens are counted when its first output says how many
-        sub.loop.call_soon_threadsafe(_resolve, sub.admitted, rid)
-
-    def _abort(self, sub: Subscription, reason: str) -> None:
-        rid = sub.request_id
-        if rid is None or self._subs.pop(rid, None) is None:  # refused, or finished meanwhile
-            return
-        self._reasons[rid] = reason
-        self._end(rid)
-
-    def _end(self, rid: str) -> None:
-        try:
-            self.engine.abort(rid)
-        except RequestError:  # it finished in the step that just ran
-            pass
-
-    def _account(self, out: RequestOutput) -> Subscription | None:
-        """Counts an output for /metrics; returns the subscription it goes to, if any still listens."""
-        rid = out.request_id
-        sent = self._sent.get(rid)
-        if sent is None:  # not a request of this server's (added to the engine directly)
-            return None
-        m = self.metrics
-        if sent == 0 and out.new_token_ids:
-            m.prompt_tokens += len(out.prompt_token_ids)
-        m.generation_tokens += len(out.new_token_ids)
-        self._sent[rid] = sent + len(out.new_token_ids)
-        if not out.finished:
-            return self._subs.get(rid)
-        reason = self._reasons.pop(rid, out.finish_reason)
-        m.finished[reason] = m.finished.get(reason, 0) + 1
-        del self._sent[rid]
-        return self._subs.pop(rid, None)
-
-    def _fail_everyone(self, error: BaseException) -> None:
-        """Every handler waiting for admission or for outputs gets `error` (the engine thread is done)."""
-        pushes: dict[asyncio.AbstractEventLoop, list] = {}
-        for sub in self._subs.values():
-            pushes.setdefault(sub.loop, []).append((sub, error))
-        self._subs = {}
-        while self._inbox:
-            command, *args = self._inbox.popleft()
-            if command == "add":
-                args[0].loop.call_soon_threadsafe(_resolve, args[0].admitted, None, error)
-        for loop, items in pushes.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed already
-                pass
+            self._deliver(outputs)

@@ -161,7 +161,7 @@ def _sampling(body: dict, max_tokens: int, stop_ids: list[int], top_logprobs: in
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, low=0),
         top_p=_number(body, "top_p", 1.0), top_k=max(top_k, 0), seed=_number(body, "seed", None, integer=True),
         stop_token_ids=tuple(stop_ids), ignore_eos=_flag(body, "ignore_eos"),
-        logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
+        logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0, detokenize=False)  # text: TextStream
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:

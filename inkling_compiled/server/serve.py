@@ -22,7 +22,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from .app import build_app
 from .body import Limits
 from .chat import ChatTemplate
-from .loop import EngineLoop
+from .loop import EngineLoop, Frontend
 
 _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -100,9 +100,11 @@ class ApiServer:
     def __init__(self, engine, *, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None,
                  model_name: str = "inkling", max_waiting: int = 256, chat_template: ChatTemplate | None = None,
                  shutdown_timeout: float = 10.0, default_max_tokens: int = 16, limits: Limits = Limits()):
-        """Listens on `sock` when given (bound by `listen`), else on (host, port) once started."""
+        """`engine`: an Engine of this process (stepped on a thread; `max_waiting` applies) or an
+        `EngineProcess` (which has its own). Listens on `sock` when given (bound by `listen`), else on
+        (host, port) once started."""
         self.host, self.port, self.shutdown_timeout = host, port, shutdown_timeout
-        self.loop = EngineLoop(engine, max_waiting)
+        self.loop = engine if isinstance(engine, Frontend) else EngineLoop(engine, max_waiting)
         self.app = build_app(self.loop, model_name, chat_template, default_max_tokens, limits)
         # uvicorn's own deadline comes later than ours: by then every request has answered with "abort".
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
