@@ -22,9 +22,14 @@ setup(
     # The C++ CPU kernels are compiled on first use (torch.utils.cpp_extension), so their source ships.
     package_data={"inkling_compiled.custom_ops": ["csrc/*.cpp"]},
     extras_require={
-        "test": ["pytest", "transformers==5.23.0", "numpy", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40"],
-        # The OpenAI-compatible HTTP server (`inkling-compiled serve`).
-        "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+        "test": ["pytest", "transformers==5.23.0", "numpy", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40",
+                 "httptools>=0.6", "uvloop>=0.19; sys_platform != \"win32\""],
+        # The OpenAI-compatible HTTP server (`inkling-compiled serve`); httptools and uvloop are uvicorn's
+        # fast parser and event loop, which it takes when they are installed.
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "httptools>=0.6", "uvloop>=0.19; sys_platform != \"win32\""],
+        # `bench-serve --client aiperf`: an OpenAI-compatible benchmark client (about 100 packages of its
+        # own; a venv of its own keeps them apart, and `--aiperf PATH` finds it there).
+        "aiperf": ["aiperf==0.13.0"],
         "bench": ["transformers==5.23.0", "matplotlib"],
         # GPU only: its TensorRT libraries cannot be installed on CPU machines.
         "tensorrt": ["torch-tensorrt==2.13.*"],

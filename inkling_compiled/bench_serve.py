@@ -113,6 +113,25 @@ def _stream(conn: http.client.HTTPConnection, prompt: list[int], new_tokens: int
     return sent, arrivals
 
 
+def run_aiperf(port: int, tokenizer: Path, concurrency: int, requests: int, prompt_len: int, new_tokens: int,
+               aiperf: str = "aiperf") -> dict:
+    """The same workload with aiperf (an OpenAI-compatible benchmark client, the `aiperf` extra) as the
+    client: its summary, read from the JSON it exports, in `_summary`'s keys."""
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([aiperf, "profile", "--model", "inkling", "--url", f"http://127.0.0.1:{port}",
+                        "--endpoint-type", "completions", "--streaming", "--extra-inputs", "ignore_eos:true",
+                        "--use-server-token-count", "--prompt-input-tokens-mean", str(prompt_len),
+                        "--prompt-input-tokens-stddev", "0", "--prompt-output-tokens-mean", str(new_tokens),
+                        "--concurrency", str(concurrency), "--request-count", str(requests),
+                        "--warmup-request-count", str(concurrency), "--tokenizer", str(tokenizer),
+                        "--output-artifact-dir", out, "--ui-type", "none"],
+                       capture_output=True, text=True, check=True)
+        found = json.loads((Path(out) / "profile_export_aiperf.json").read_text())
+    return {"requests_s": found["request_throughput"]["avg"], "tokens_s": found["output_token_throughput"]["avg"],
+            "ttft_p50_ms": found["time_to_first_token"]["p50"], "ttft_p99_ms": found["time_to_first_token"]["p99"],
+            "itl_p50_ms": found["inter_token_latency"]["p50"], "itl_p99_ms": found["inter_token_latency"]["p99"]}
+
+
 def run_http(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
     """The HTTP clients, in a child process; their summary."""
     job = json.dumps({"port": port, "prompts": prompts, "concurrency": concurrency, "new_tokens": new_tokens})
@@ -164,17 +183,19 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt_len: int, new_tokens: int,
-                    engine_process: bool = True, repeats: int = 3, log=print) -> dict:
+                    engine_process: bool = True, repeats: int = 3, client: str = "threads", aiperf: str = "aiperf",
+                    log=print) -> dict:
     """The API on an engine of this process, and the server over an engine of its own process
     (`engine_process`, as `serve` runs) or that same engine stepped on a thread of this one. With an engine
     process the two paths take turns, `repeats` times each, and each reports its median run: a machine
-    whose speed drifts moves both alike."""
+    whose speed drifts moves both alike. `client`: "threads" (ours, one kept-alive connection per client)
+    or "aiperf" (the `aiperf` executable)."""
     from .server.engine_process import EngineProcess
     from .server.serve import ApiServer
 
     torch.set_num_threads(1)
     results = {"config": config, "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens,
-               "engine_process": engine_process, "repeats": repeats, "runs": []}
+               "engine_process": engine_process, "repeats": repeats, "client": client, "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(Path(tmp) / config, config)
         options = dict(max_batch_size=max(concurrencies), prefix_cache=False,
@@ -185,20 +206,25 @@ def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt
             for c in concurrencies:
                 run_api(engine, _prompts(c, prompt_len), c, new_tokens)  # untimed: every bucket on the way
             if engine_process:
-                server = ApiServer(EngineProcess(path, options, max_waiting=requests, threads=1), port=0)
+                server = ApiServer(EngineProcess(path, options, max_waiting=requests + 64, threads=1), port=0)
             else:  # the API's runs all come first: the server's loop thread must not step beside them
                 for c in concurrencies:
                     api[c] = [run_api(engine, _prompts(requests, prompt_len), c, new_tokens) for _ in range(repeats)]
-                server = ApiServer(engine, port=0, max_waiting=requests)
+                server = ApiServer(engine, port=0, max_waiting=requests + 64)
             port = server.start()
             try:
                 for c in concurrencies:
+                    def http_run() -> dict:
+                        if client == "aiperf":
+                            return run_aiperf(port, path, c, requests, prompt_len, new_tokens, aiperf)
+                        return run_http(port, _prompts(requests, prompt_len), c, new_tokens)
+
                     run_http(port, _prompts(c, prompt_len), c, new_tokens)
                     http_runs = []
                     for _ in range(repeats):
                         if engine_process:
                             api[c].append(run_api(engine, _prompts(requests, prompt_len), c, new_tokens))
-                        http_runs.append(run_http(port, _prompts(requests, prompt_len), c, new_tokens))
+                        http_runs.append(http_run())
                     http_run, api_run = _median_run(http_runs), _median_run(api[c])
                     row = {"concurrency": c, "http": http_run, "api": api_run,
                            "http_over_api": http_run["tokens_s"] / api_run["tokens_s"],

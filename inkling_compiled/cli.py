@@ -244,7 +244,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from .bench_serve import run_serve_bench, serve_table
 
     results = run_serve_bench(args.config, args.concurrency, args.requests, args.prompt_len, args.new_tokens,
-                              engine_process=args.engine_process, repeats=args.repeats)
+                              engine_process=args.engine_process, repeats=args.repeats, client=args.client,
+                              aiperf=args.aiperf)
     return _report(results, serve_table(results), args.json)
 
 
@@ -507,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--requests", type=positive_int, default=64, help="requests per concurrency")
     bs.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens per request")
     bs.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per request")
+    bs.add_argument("--client", default="threads", choices=["threads", "aiperf"],
+                    help="HTTP client: ours (a thread and a kept-alive connection per client) or aiperf")
+    bs.add_argument("--aiperf", default="aiperf", help="the aiperf executable (--client aiperf)")
     bs.add_argument("--repeats", type=positive_int, default=3, help="runs per path and concurrency (median kept)")
     bs.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="the server's engine in a process of its own, as serve runs it (--no-engine-process: on a "

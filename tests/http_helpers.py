@@ -11,7 +11,7 @@ from inkling_compiled.server.serve import ApiServer
 
 
 def start(path, **options) -> ApiServer:
-    engine_options = {k: options.pop(k) for k in ("max_batch_size",) if k in options}
+    engine_options = {k: options.pop(k) for k in ("max_batch_size", "num_pages") if k in options}
     engine = Engine.from_pretrained(path, compile=False, progress=False, **{"max_batch_size": 8, **engine_options})
     server = ApiServer(engine, port=0, model_name="tiny", chat_template=ChatTemplate.from_checkpoint(path), **options)
     server.start()

@@ -367,3 +367,18 @@ def test_long_outputs_cost_the_same_per_step(checkpoint):
     assert out.text == engine.tokenizer.inner.decode(out.token_ids)
     for n, early in kept.items():
         assert early.token_ids == out.token_ids[:n] and early.logprobs == out.logprobs[:n] and not early.finished
+
+
+def test_detokenize_false_decodes_nothing_and_text_still_reads(checkpoint):
+    """A server decodes text itself: with detokenize=False a step decodes no token (new_text is None), and
+    the whole text can still be asked for."""
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, progress=False)
+    counting = engine.tokenizer = CountingTokenizer(engine.tokenizer)
+    engine.add_request([40, 41, 42], SamplingParams(max_new_tokens=12, ignore_eos=True, detokenize=False))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert counting.decoded == 0 and all(o.new_text is None for o in outs)
+    assert outs[-1].text == counting.inner.decode(outs[-1].token_ids) and len(outs[-1].token_ids) == 12
+    with pytest.raises(RequestError, match="detokenize must be True or False"):
+        SamplingParams(detokenize=1)

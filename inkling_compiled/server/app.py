@@ -78,6 +78,7 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
 
     async def admit(request: Request, make_job):
         """(the checked job, its subscription), or the error response that refuses it."""
+        job = None
         try:
             body = parse_json(await read_body(request, limits))
             check_model(body)
@@ -85,8 +86,9 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
             ids = await token_ids(job)
             check_room(job, len(ids), max_model_len)
             return job, await loop.submit(ids, job.params)
-        except RequestError as e:
-            return None, error(400, str(e))
+        except RequestError as e:  # the engine's checks name its own field; the client sent the API's
+            field = (job.max_tokens_field if job is not None else None) or "max_tokens"
+            return None, error(400, str(e).replace("max_new_tokens", field))
         except BodyTooLarge as e:
             return None, error(413, str(e))
         except BodyTimeout as e:

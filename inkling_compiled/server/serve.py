@@ -3,7 +3,7 @@
 uvicorn has no deadline for a request's headers, so a client that trickles them (or connects and says
 nothing) would hold its connection forever; `_with_header_deadline` gives uvicorn's protocol one: from
 the connection (or the end of the last response) to a request's whole headers, `limits.header_timeout`
-seconds, then a 408 and the connection closes. The body's deadline is the app's (`body.read_body`).
+seconds, then the connection closes (with a 408 if part of a request had come). The body's deadline is the app's (`body.read_body`).
 
 Shutdown is graceful: on SIGINT or SIGTERM uvicorn stops accepting connections and waits up to
 `shutdown_timeout` seconds for the requests in flight, which the engine loop keeps serving; whatever is
@@ -33,12 +33,14 @@ def _with_header_deadline(protocol: type, header_timeout: float) -> type:
 
     class HeaderDeadline(protocol):
         _deadline = None
+        _started = False  # bytes of the next request have come (a 408 then says why it closes)
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            self._started = True
             super().data_received(data)
             if self.cycle is not None and not self.cycle.response_complete:
                 self._disarm()
@@ -53,6 +55,7 @@ def _with_header_deadline(protocol: type, header_timeout: float) -> type:
 
         def _arm(self) -> None:
             self._disarm()
+            self._started = False
             self._deadline = self.loop.call_later(header_timeout, self._expire)
 
         def _disarm(self) -> None:
@@ -63,7 +66,8 @@ def _with_header_deadline(protocol: type, header_timeout: float) -> type:
         def _expire(self) -> None:
             self._deadline = None
             if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
-                self.transport.write(_TIMEOUT_408)
+                if self._started:  # an idle connection just closes, as a kept-alive one would
+                    self.transport.write(_TIMEOUT_408)
                 self.transport.close()
 
     return HeaderDeadline
