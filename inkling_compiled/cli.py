@@ -221,20 +221,26 @@ def _serve(args: argparse.Namespace) -> int:
     options = dict(max_model_len=args.max_model_len, **_engine_args(args))
     with sock:
         if args.engine_process:  # the engine steps in a process of its own; HTTP keeps this one
-            engine = EngineProcess(args.model, options, max_waiting=args.max_waiting, threads=args.threads)
+            try:
+                engine = EngineProcess(args.model, options, max_waiting=args.max_waiting, threads=args.threads)
+            except RuntimeError as e:  # it died while starting (its own traceback is above)
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         else:
             torch.set_num_threads(args.threads)
             engine = Engine.from_pretrained(args.model, **options)
-        server = ApiServer(engine, sock=sock, model_name=name, max_waiting=args.max_waiting,
-                           chat_template=chat_template, shutdown_timeout=args.shutdown_timeout,
-                           default_max_tokens=args.max_new_tokens, limits=limits)
-        print(f"inkling-compiled: serving {name!r} at http://{args.host}:{server.port}/v1 (chat "
-              f"{'on' if chat_template else 'off: no chat template'}); SIGINT or SIGTERM stops it", file=sys.stderr,
-              flush=True)
         try:
+            server = ApiServer(engine, sock=sock, model_name=name, max_waiting=args.max_waiting,
+                               chat_template=chat_template, shutdown_timeout=args.shutdown_timeout,
+                               default_max_tokens=args.max_new_tokens, limits=limits)
+            print(f"inkling-compiled: serving {name!r} at http://{args.host}:{server.port}/v1 (chat "
+                  f"{'on' if chat_template else 'off: no chat template'}); SIGINT or SIGTERM stops it",
+                  file=sys.stderr, flush=True)
             server.run_until_signal()  # stops the engine loop or process on its way out
         finally:
-            if not args.engine_process:
+            if args.engine_process:
+                engine.stop()
+            else:
                 engine.close()
     print("inkling-compiled: server stopped", file=sys.stderr)
     return 0

@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 
 from inkling_compiled import Engine, SamplingParams  # noqa: E402
 from inkling_compiled.server.body import Limits  # noqa: E402
-from http_helpers import http, metric, start, wait_for  # noqa: E402
+from http_helpers import http, metric, metric_or_zero, start, wait_for  # noqa: E402
 
 STALL_BOUND = 0.5  # seconds: /health must answer within this while others abuse the server
 
@@ -229,7 +229,8 @@ def test_bodies_over_the_limit_are_413_before_they_are_read(checkpoint):
         # a declared length over the limit: answered at once, without sending the body
         sock = socket.create_connection(("127.0.0.1", small.port), timeout=10)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n\r\n")
-        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+        reply = sock.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply.lower()
         sock.close()
         # chunked, with no length: refused once it grows past the limit
         status, _, answer = http(small, "POST", "/v1/completions", {"prompt": "x" * 2000})
@@ -357,3 +358,36 @@ def test_the_engines_own_refusals_name_the_api_field(checkpoint):
     finally:
         small.stop()
         small.loop.engine.close()
+
+
+def test_a_stream_whose_client_leaves_before_its_first_event_is_aborted(server, monkeypatch):
+    """The client hangs up while its request waits for admission (steps are slow): the stream's generator
+    never starts, and the request is still aborted rather than decoded to max_tokens for nobody."""
+    slow_steps(server.loop.engine, monkeypatch, 0.05)
+    aborted = metric_or_zero(server, 'requests_finished_total{reason="abort"}')
+    busy = open_stream(server.port, {"prompt": [5], "max_tokens": 1500, "ignore_eos": True})  # keeps steps going
+    wait_for(lambda: metric(server, "requests_running") == 1)
+    for _ in range(5):
+        sock = open_stream(server.port, {"prompt": [6], "max_tokens": 1500, "ignore_eos": True})
+        sock.close()
+    wait_for(lambda: metric_or_zero(server, 'requests_finished_total{reason="abort"}') == aborted + 5, seconds=10)
+    busy.close()
+    monkeypatch.undo()
+    wait_for(lambda: metric(server, "requests_running") == 0 and metric(server, "slots_free") == 8)
+
+
+def test_a_stopped_loop_refuses_new_requests_instead_of_hanging(checkpoint):
+    import asyncio
+
+    from inkling_compiled.server.loop import EngineLoop
+
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, progress=False)
+    loop = EngineLoop(engine).start()
+    loop.stop()
+
+    async def submit():
+        return await asyncio.wait_for(loop.submit([5, 6], SamplingParams(max_new_tokens=2)), timeout=5)
+
+    with pytest.raises(RuntimeError, match="the server is shutting down"):
+        asyncio.run(submit())
+    engine.close()

@@ -39,6 +39,7 @@ def server(checkpoint):
     yield server
     server.stop()
     assert server.loop.process.exitcode == 0  # it closed its engine and ended
+    assert not server.loop._reader.is_alive() and not server.loop._writer.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,10 @@ def test_answers_over_the_engine_process_equal_the_engine_in_process(server, ora
 def test_bad_requests_and_leaving_clients_over_the_engine_process(server):
     status, _, answer = http(server, "POST", "/v1/completions", {"prompt": [5, 999]})
     assert status == 400 and "token id 999 at position 1 is out of range" in answer["error"]["message"]
+    # an id past 64 bits cannot even be encoded for the pipe: a 400, and the pipe goes on working
+    status, _, answer = http(server, "POST", "/v1/completions", {"prompt": [5, 2**64]})
+    assert status == 400 and f"token id {2**64} at position 1 is out of range" in answer["error"]["message"]
+    assert http(server, "POST", "/v1/completions", {"prompt": [5], "max_tokens": 2})[0] == 200
     from http.client import HTTPConnection
 
     conn = HTTPConnection("127.0.0.1", server.port, timeout=60)
@@ -145,8 +150,48 @@ def test_an_engine_process_that_dies_fails_its_streams_and_health(checkpoint):
         assert "the engine process exited" in lines[-2] and lines[-1] == "data: [DONE]"
         status, _, answer = http(doomed, "GET", "/health")
         assert status == 503 and "the engine process exited" in answer["error"]["message"]
+        assert http(doomed, "GET", "/metrics")[0] == 503
         t0 = time.perf_counter()
         status, _, answer = http(doomed, "POST", "/v1/completions", {"prompt": "hi"})
         assert status == 503 and time.perf_counter() - t0 < 5
     finally:
         doomed.stop()
+
+
+def test_a_failing_reader_fails_the_server_instead_of_hanging_it(checkpoint, monkeypatch):
+    """A fault in the server's side of the pipe (here: rebuilding an output) is the server's 503 and an
+    error event, not streams that wait forever."""
+    from inkling_compiled.server import engine_process
+
+    broken = serve(checkpoint("tiny"))
+    try:
+        def fault(*args):
+            raise KeyError("injected")
+
+        monkeypatch.setattr(engine_process.StreamedOutput, "__init__", fault)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{broken.port}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True}).encode())
+        with urllib.request.urlopen(request, timeout=30) as r:
+            lines = [line for line in r.read().decode().splitlines() if line.startswith("data: ")]
+        assert "the server lost the engine process: KeyError" in lines[-2] and lines[-1] == "data: [DONE]"
+        assert http(broken, "GET", "/health")[0] == 503
+    finally:
+        monkeypatch.undo()
+        broken.stop()
+
+
+def test_an_interrupted_start_up_leaves_no_engine_process(checkpoint, monkeypatch):
+    """Ctrl-C while the engine loads: the child is ended with the start-up, not left loading."""
+    started = []
+    real = EngineProcess._receive
+
+    def interrupted(self):
+        started.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(EngineProcess, "_receive", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        EngineProcess(checkpoint("tiny"), OPTIONS)
+    assert started and not started[0].process.is_alive()
+    monkeypatch.setattr(EngineProcess, "_receive", real)

@@ -89,8 +89,8 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
         except RequestError as e:  # the engine's checks name its own field; the client sent the API's
             field = (job.max_tokens_field if job is not None else None) or "max_tokens"
             return None, error(400, str(e).replace("max_new_tokens", field))
-        except BodyTooLarge as e:
-            return None, error(413, str(e))
+        except BodyTooLarge as e:  # the rest of the body is not read: the connection cannot carry another
+            return None, error(413, str(e), headers={"Connection": "close"})
         except BodyTimeout as e:
             return None, error(408, str(e), headers={"Connection": "close"})
         except LookupError as e:
@@ -106,7 +106,7 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
             return sub  # the error response
         answer = Answer(job, sub.request_id, model_name, tokenizer)
         if job.stream:
-            return StreamingResponse(stream_events(sub, answer), media_type="text/event-stream")
+            return EventStream(stream_events(sub, answer), on_close=lambda: loop.abort(sub))
         watch = ClientWatch(request)
         try:
             while True:
@@ -170,10 +170,29 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
 
     @app.get("/metrics")
     async def metrics():
-        text = await asyncio.to_thread(prometheus, loop)  # the engine's state waits for a step in progress
+        try:
+            text = await asyncio.to_thread(prometheus, loop)  # the engine's state waits for a step in progress
+        except RuntimeError as e:  # the engine can serve no more
+            return error(503, str(e), "server_error")
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose request is aborted however the response ends: a client that leaves before
+    the first event never starts the stream's generator, whose own cleanup would do it (a no-op for a
+    request that finished)."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 class ClientGone(Exception):

@@ -14,6 +14,7 @@ and exits when the pipe closes, so it does not outlive a server that was killed.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import queue
 import signal
@@ -26,6 +27,8 @@ from .. import errors
 from ..errors import RequestError
 from ..sampling import SamplingParams
 from .loop import EngineCore, Frontend, Metrics, QueueFull
+
+log = logging.getLogger("inkling_compiled")
 
 
 class Add(msgspec.Struct, tag=True, array_like=True):
@@ -120,10 +123,15 @@ def _engine_main(conn, path: str, options: dict, max_waiting: int, threads: int 
         pass
 
 
+MAX_COMMANDS_PER_STEP = 256  # a flood of commands delays a step by at most this many
+
+
 def _serve_commands(conn, core: EngineCore, encode, decode) -> None:
     while True:
         wait = 0 if core.busy() else 0.1
-        while conn.poll(wait):
+        for _ in range(MAX_COMMANDS_PER_STEP):
+            if not conn.poll(wait):
+                break
             wait = 0
             message = decode(conn.recv_bytes())
             if isinstance(message, Add):
@@ -134,7 +142,7 @@ def _serve_commands(conn, core: EngineCore, encode, decode) -> None:
                     reply = Admitted(message.rid, str(e), "request")
                 except QueueFull as e:
                     reply = Admitted(message.rid, str(e), "queue_full")
-                except RuntimeError as e:
+                except (RuntimeError, errors.InklingError) as e:  # the engine is closed
                     reply = Admitted(message.rid, str(e), "closed")
                 conn.send_bytes(encode(reply))
             elif isinstance(message, Abort):
@@ -230,7 +238,11 @@ class EngineProcess(Frontend):
         child.close()
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromEngine).decode
-        self._ready(self._receive())
+        try:
+            self._ready(self._receive())
+        except BaseException:  # a failed start-up, or Ctrl-C while loading: the child must not stay behind
+            self._end_process(0)
+            raise
         self._streams: dict[str, _Stream] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._tickets: dict[int, tuple[threading.Event, list]] = {}
@@ -286,15 +298,24 @@ class EngineProcess(Frontend):
         """Asks the engine process to stop (it closes the engine) and waits for it; every handler still
         waiting gets an error."""
         self._stopping = True
+        self.failure = self.failure or "the server is shutting down"
         self._outbox.put(Stop())
         self._outbox.put(None)
+        self._end_process(timeout)
+        self._fail_everyone(RuntimeError(self.failure))
+        self._wake_tickets()
+
+    def _end_process(self, timeout: float) -> None:
+        """Waits `timeout` s for the engine process to end (killing it then), and for the threads that talk
+        to it; then closes the pipe."""
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        for thread in (getattr(self, "_writer", None), getattr(self, "_reader", None)):
+            if thread is not None and thread.is_alive():  # the writer ends at None, the reader at EOF
+                thread.join(5)
         self._conn.close()
-        self._fail_everyone(RuntimeError("the server is shutting down"))
-        self._wake_tickets()
 
     def _send(self, command, *args) -> None:
         if command == "add":
@@ -309,11 +330,25 @@ class EngineProcess(Frontend):
     def _write(self) -> None:
         while (message := self._outbox.get()) is not None:
             try:
-                self._conn.send_bytes(self._encode(message))
+                data = self._encode(message)
+            except Exception as e:  # a command that cannot travel (the protocol's checks should stop it first)
+                if isinstance(message, Add):
+                    self._streams.pop(message.rid, None)
+                    self._admitted(message.rid, RequestError(f"the request cannot be sent to the engine: {e}"))
+                continue
+            try:
+                self._conn.send_bytes(data)
             except (OSError, ValueError):  # the engine process is gone; the reader says so
                 return
 
     def _read(self) -> None:
+        try:
+            self._read_messages()
+        except Exception as e:  # a bug here must not leave every handler waiting in silence
+            log.exception("the engine process's reader stopped")
+            self._failed(f"the server lost the engine process: {type(e).__name__}: {e}")
+
+    def _read_messages(self) -> None:
         while True:
             try:
                 message = self._decode(self._conn.recv_bytes())

@@ -25,7 +25,7 @@ import time
 
 import msgspec
 
-from ..errors import RequestError
+from ..errors import InklingError, RequestError
 from ..requests import RequestOutput
 
 log = logging.getLogger("inkling_compiled")
@@ -167,6 +167,9 @@ class Frontend:
             raise RuntimeError(self.failure)
         sub = Subscription(str(next(self._ids)), prompt, asyncio.get_running_loop())
         self._subs[sub.request_id] = sub
+        if self.failure is not None:  # it failed meanwhile, before or after everyone was told: not this one
+            self._subs.pop(sub.request_id, None)
+            raise RuntimeError(self.failure)
         self._send("add", sub.request_id, prompt, params)
         try:
             await sub.admitted
@@ -194,7 +197,7 @@ class Frontend:
     def _admitted(self, rid: str, error: BaseException | None) -> None:
         sub = self._subs.get(rid)
         if sub is not None:
-            sub.loop.call_soon_threadsafe(_resolve, sub.admitted, error)
+            _call_soon(sub.loop, _resolve, sub.admitted, error)
 
     def _deliver(self, outputs) -> None:
         """Each output to its request's queue, one wake-up per event loop."""
@@ -204,7 +207,7 @@ class Frontend:
             if sub is not None:
                 pushes.setdefault(sub.loop, []).append((sub, out))
         for loop, items in pushes.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            _call_soon(loop, _put_all, items)
 
     def _fail_everyone(self, error: BaseException) -> None:
         """Every handler waiting for admission or for outputs gets `error` (the engine is gone)."""
@@ -213,10 +216,14 @@ class Frontend:
         for sub in subs:
             pushes.setdefault(sub.loop, []).append((sub, error))
         for loop, items in pushes.items():
-            try:
-                loop.call_soon_threadsafe(_resolve_or_put, items)
-            except RuntimeError:  # that event loop is closed already
-                pass
+            _call_soon(loop, _resolve_or_put, items)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, *call) -> None:
+    try:
+        loop.call_soon_threadsafe(*call)
+    except RuntimeError:  # that event loop is closed already: nobody waits there any more
+        pass
 
 
 def _resolve_or_put(items: list) -> None:
@@ -256,9 +263,10 @@ class EngineLoop(Frontend):
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the engine thread; every handler still waiting gets an error."""
         self._stopping = True
+        self.failure = self.failure or "the server is shutting down"
         self._wake.set()
         self._thread.join(timeout)
-        self._fail_everyone(RuntimeError("the server is shutting down"))
+        self._fail_everyone(RuntimeError(self.failure))
 
     def _send(self, *command) -> None:
         self._inbox.append(command)
@@ -273,7 +281,7 @@ class EngineLoop(Frontend):
                     try:
                         core.add(*args)
                         self._admitted(args[0], None)
-                    except (RequestError, QueueFull, RuntimeError) as e:  # RuntimeError: the engine is closed
+                    except (InklingError, QueueFull, RuntimeError) as e:  # the engine's refusal, or it is closed
                         self._admitted(args[0], e)
                 elif command == "abort":
                     core.abort(*args)

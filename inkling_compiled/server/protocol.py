@@ -125,7 +125,7 @@ def _stops(body: dict, rules: Rules) -> tuple[list[str], list[int]]:
 MAX_CHARS_PER_TOKEN = 64  # a text prompt longer than this times max_model_len is refused before tokenizing
 
 
-def _prompt(body: dict, max_model_len: int) -> str | list[int]:
+def _prompt(body: dict, max_model_len: int, vocab_size: int) -> str | list[int]:
     """The prompt, its length checked before its content: a million ids cost one comparison to refuse."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -142,6 +142,9 @@ def _prompt(body: dict, max_model_len: int) -> str | list[int]:
             raise RequestError(f"prompt of {len(prompt)} tokens is too long: max_model_len={max_model_len} leaves "
                                "no room to generate")
         if all(is_int(t) for t in prompt):
+            bad = next(((i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab_size), None)
+            if bad is not None:  # here, not only in the engine: an id past 64 bits cannot even travel to it
+                raise RequestError(f"token id {bad[1]} at position {bad[0]} is out of range [0, {vocab_size})")
             return prompt
     raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
@@ -178,7 +181,7 @@ def completion_job(body, rules: Rules) -> Job:
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
     _refuse_unsupported(body)
-    prompt = _prompt(body, rules.max_model_len)
+    prompt = _prompt(body, rules.max_model_len, rules.vocab_size)
     top = _number(body, "logprobs", None, integer=True, low=0, high=MAX_TOP_LOGPROBS)
     stops, stop_ids = _stops(body, rules)
     max_tokens, field = _max_tokens(body, ("max_tokens",), rules.default_max_tokens)
