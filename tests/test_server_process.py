@@ -168,7 +168,7 @@ def test_a_failing_reader_fails_the_server_instead_of_hanging_it(checkpoint, mon
         def fault(*args):
             raise KeyError("injected")
 
-        monkeypatch.setattr(engine_process.StreamedOutput, "__init__", fault)
+        monkeypatch.setattr(engine_process._Stream, "take", fault)
         request = urllib.request.Request(
             f"http://127.0.0.1:{broken.port}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
             data=json.dumps({"prompt": "hi", "max_tokens": 5, "stream": True}).encode())

@@ -16,7 +16,8 @@ import json
 
 import msgspec
 
-from ..errors import RequestError
+from ..checks import is_finite, option_int
+from ..errors import OptionError, RequestError
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,13 +31,11 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_stop_strings", "max_stop_chars"):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            option_int(name, getattr(self, name))
         for name in ("header_timeout", "body_timeout"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+            if not is_finite(value) or value <= 0:
+                raise OptionError(f"{name} must be a number of seconds > 0, got {value!r}")
 
 
 class BodyTooLarge(Exception):

@@ -5,8 +5,8 @@ engine process builds the engine from the checkpoint and runs an `EngineCore`. B
 of msgspec messages: commands one way (`Add`, `Abort`, `AbortAll`, `GetState`, `Stop`), and the other
 way one `Outputs` per step (each request's new tokens and logprobs, nothing cumulative), admissions, state
 replies and a `Failed` if the engine stops. A writer thread sends the commands, so a handler never blocks
-on a full pipe; a reader thread turns outputs back into cumulative `StreamedOutput`s, as the engine's own
-outputs are, and hands them to the handlers' event loops.
+on a full pipe; a reader thread turns outputs back into `RequestOutput`s over a request's tokens so far
+(the engine's own class) and hands them to the handlers' event loops.
 
 The engine process ignores SIGINT and SIGTERM (the server's process decides when to stop and tells it)
 and exits when the pipe closes, so it does not outlive a server that was killed.
@@ -25,6 +25,7 @@ import msgspec
 
 from .. import errors
 from ..errors import RequestError
+from ..requests import RequestOutput
 from ..sampling import SamplingParams
 from .loop import EngineCore, Frontend, Metrics, QueueFull
 
@@ -169,52 +170,26 @@ def _serve_commands(conn, core: EngineCore, encode, decode) -> None:
 # ---- the server's side --------------------------------------------------------------------------------
 
 class _Stream:
-    """A request's tokens so far, in the server's process (append-only: outputs read a prefix)."""
+    """A request's tokens so far, in the server's process: the fields of an engine `Request` that a
+    `RequestOutput` reads, so outputs rebuilt here are the engine's own class, cut at their step."""
 
-    __slots__ = ("prompt", "tokens", "logprobs", "top_logprobs")
+    __slots__ = ("request_id", "prompt", "params", "output", "logprobs", "top_logprobs", "finish_reason", "error",
+                 "cached_tokens", "spec_proposed", "spec_accepted")
 
-    def __init__(self, prompt: list[int]):
-        self.prompt, self.tokens, self.logprobs, self.top_logprobs = prompt, [], [], []
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams):
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.output, self.logprobs, self.top_logprobs = [], [], []
+        self.finish_reason = self.error = None
+        self.cached_tokens = self.spec_proposed = self.spec_accepted = 0
 
-
-class StreamedOutput:
-    """An engine output rebuilt in the server's process: the fields `RequestOutput` has that serving reads,
-    cumulative ones cut at this output."""
-
-    __slots__ = ("request_id", "prompt_token_ids", "finish_reason", "error", "cached_tokens", "_stream", "_start",
-                 "_end", "_has_logprobs", "_has_top")
-
-    def __init__(self, rid: str, stream: _Stream, delta: Delta):
-        start = len(stream.tokens)
-        stream.tokens += delta.tokens
-        if delta.logprobs is not None:
-            stream.logprobs += delta.logprobs
-        if delta.top_logprobs is not None:
-            stream.top_logprobs += delta.top_logprobs
-        self.request_id, self.prompt_token_ids, self._stream = rid, stream.prompt, stream
+    def take(self, delta: Delta) -> RequestOutput:
+        """The output of the step that brought `delta`."""
+        start = len(self.output)
+        self.output += delta.tokens
+        self.logprobs += delta.logprobs or ()
+        self.top_logprobs += delta.top_logprobs or ()
         self.finish_reason, self.error, self.cached_tokens = delta.finish_reason, delta.error, delta.cached_tokens
-        self._start, self._end = start, len(stream.tokens)
-        self._has_logprobs, self._has_top = delta.logprobs is not None, delta.top_logprobs is not None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._stream.tokens[:self._end]
-
-    @property
-    def new_token_ids(self) -> list[int]:
-        return self._stream.tokens[self._start:self._end]
-
-    @property
-    def logprobs(self) -> list[float] | None:
-        return self._stream.logprobs[:self._end] if self._has_logprobs else None
-
-    @property
-    def top_logprobs(self) -> list | None:
-        return self._stream.top_logprobs[:self._end] if self._has_top else None
+        return RequestOutput(self, start, None, None)
 
 
 _REFUSALS = {"request": RequestError, "queue_full": QueueFull, "closed": RuntimeError}
@@ -267,10 +242,6 @@ class EngineProcess(Frontend):
                 message.message)
         self.max_model_len, self.vocab_size = message.max_model_len, message.vocab_size
 
-    @property
-    def metrics(self) -> Metrics:
-        return self.state()["metrics"]
-
     def start(self) -> "EngineProcess":
         self._writer.start()
         self._reader.start()
@@ -320,7 +291,7 @@ class EngineProcess(Frontend):
     def _send(self, command, *args) -> None:
         if command == "add":
             rid, prompt, params = args
-            self._streams[rid] = _Stream(prompt)
+            self._streams[rid] = _Stream(rid, prompt, params)
             self._outbox.put(Add(rid, prompt, params))
         elif command == "abort":
             self._outbox.put(Abort(*args))
@@ -373,9 +344,9 @@ class EngineProcess(Frontend):
                 self._failed(message.message)
                 return
 
-    def _output(self, delta: Delta) -> StreamedOutput:
+    def _output(self, delta: Delta) -> RequestOutput:
         stream = self._streams.pop(delta.rid) if delta.finish_reason is not None else self._streams[delta.rid]
-        return StreamedOutput(delta.rid, stream, delta)
+        return stream.take(delta)
 
     def _failed(self, message: str) -> None:
         self.failure = message

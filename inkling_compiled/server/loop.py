@@ -87,10 +87,7 @@ class EngineCore:
 
     def abort_all(self) -> None:
         for rid in list(self._sent):
-            try:
-                self.engine.abort(rid)
-            except RequestError:
-                pass
+            self.abort(rid)
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()
@@ -247,10 +244,6 @@ class EngineLoop(Frontend):
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="inkling-engine-loop", daemon=True)
-
-    @property
-    def metrics(self) -> Metrics:
-        return self.core.metrics
 
     def start(self) -> "EngineLoop":
         self._thread.start()
