@@ -194,7 +194,9 @@ def _build_flags() -> list[str]:
     from inkling_compiled.streams import STREAM_NAMES
 
     # -ffp-contract=off: every product and sum rounds as the references do (bit-identical convs).
-    return ["-O3", "-ffp-contract=off", f"-DINKLING_STREAM_NAMES={','.join(STREAM_NAMES)}"]
+    # -fopenmp: at::parallel_for is inline OpenMP; the library links libgomp.so.1, which resolves to the
+    # copy torch has already loaded, so the kernels share torch's intra-op pool and its thread count.
+    return ["-O3", "-ffp-contract=off", "-fopenmp", f"-DINKLING_STREAM_NAMES={','.join(STREAM_NAMES)}"]
 
 
 def extension_dir() -> Path:
@@ -223,7 +225,7 @@ def _built_extension() -> Path:
         scratch.mkdir(parents=True, exist_ok=True)
         build = ("import sys; from torch.utils import cpp_extension; "
                  "cpp_extension.load(name='inkling_cpu', sources=[sys.argv[1]], build_directory=sys.argv[2], "
-                 "extra_cflags=sys.argv[3:], is_python_module=False, verbose=False)")
+                 "extra_cflags=sys.argv[3:], extra_ldflags=['-fopenmp'], is_python_module=False, verbose=False)")
         done = subprocess.run([sys.executable, "-c", build, str(_SOURCE), str(scratch), *_build_flags()],
                               capture_output=True, text=True)
         if done.returncode != 0 or not (scratch / library.name).is_file():

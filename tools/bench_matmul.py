@@ -1,8 +1,8 @@
 """The projections' small-M matmul: our C++ kernel (what `inkling::linear` and the experts use up to
-16 rows; forced here for every row count) against ATen's GEMM (MKL), per weight shape, layout and rows.
+its measured choice says; forced here for every row count) against ATen's GEMM (MKL), per weight shape, layout and rows.
 
     OMP_NUM_THREADS=1 python tools/bench_matmul.py [--rows 1 2 4 8 16 32] [--isa avx512|avx2|portable]
-                                                   [--from-memory MB]
+                                                   [--from-memory MB] [--threads N] [--shapes OxH ...]
 
 Prints microseconds per call, ours / ATen (below 1.0 = ours is faster) and the rate at which our
 kernel reads the weight. By default one weight of a few MB, read from cache; `--from-memory 512`
@@ -36,6 +36,8 @@ def timed(fn, weights: list[torch.Tensor], n: int = 200) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both kernels")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="OxH", help="weights [O, H] (default: the small config's)")
     p.add_argument("--isa", choices=["avx512", "avx2", "portable"], help="force the kernel's instruction set")
     p.add_argument("--from-memory", type=int, default=0, metavar="MB",
                    help="cycle through copies of each weight filling MB megabytes (0: one weight, in cache)")
@@ -45,11 +47,13 @@ def main() -> None:
         sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
     from inkling_compiled.custom_ops.library import cpu_isa
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    print(f"threads: {args.threads}")
     print(f"C++ kernel instruction set: {cpu_isa()}")
     print(f"weights {'from memory, ' + str(args.from_memory) + ' MB of copies' if args.from_memory else 'in cache'}")
     print("| weight [O, H] | layout | rows | ours us | ATen us | ours / ATen | ours GB/s |\n|---|---|---|---|---|---|---|")
-    for o, h in SHAPES:
+    for o, h in shapes:
         for column_major in (False, True):
             copies = max(1, (args.from_memory << 20) // (o * h * 4))
             weights = [torch.randn(o, h) for _ in range(copies)]

@@ -3,6 +3,7 @@
 // rounds exactly as the plain-torch references do: the conv kernels are bit-identical to them.
 #include <ATen/ATen.h>
 #include <ATen/CPUFunctions.h>
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
@@ -12,6 +13,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <shared_mutex>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -56,6 +60,11 @@ struct ConvRange {
   }
 };
 
+// Items per task of the intra-op pool when each item costs `per_item` multiply-adds: enough that a
+// task outweighs waking a thread. Every kernel splits over items whose results do not depend on one
+// another, so the split (and the thread count) never changes a result.
+int64_t task_grain(int64_t per_item) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, per_item)); }
+
 void check_state(const at::Tensor& state, const at::Tensor& x) {
   TORCH_CHECK(state.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
               "inkling conv kernels take fp32 inputs and fp32 state");
@@ -78,21 +87,24 @@ at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tens
   float* sp = state.data_ptr<float>();
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
-  for (int64_t b = 0; b < B; ++b) {
-    float* win = sp + ip[b] * s0;
-    const float* xb = xp + b * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const float* wd = wp + d * K;
-      float acc = xb[d] * wd[K - 1];
-      for (int64_t back = 1; back < K; ++back) {
-        const float prod = win[(K - 1 - back) * s1 + d] * wd[K - 1 - back];
-        acc = acc + prod;
+  // Channels are independent: split over the intra-op pool by channel ranges.
+  at::parallel_for(0, D, task_grain(B * K), [&](int64_t d0, int64_t d1) {
+    for (int64_t b = 0; b < B; ++b) {
+      float* win = sp + ip[b] * s0;
+      const float* xb = xp + b * D;
+      for (int64_t d = d0; d < d1; ++d) {
+        const float* wd = wp + d * K;
+        float acc = xb[d] * wd[K - 1];
+        for (int64_t back = 1; back < K; ++back) {
+          const float prod = win[(K - 1 - back) * s1 + d] * wd[K - 1 - back];
+          acc = acc + prod;
+        }
+        yp[b * D + d] = acc;
+        for (int64_t j = 0; j + 1 < K - 1; ++j) win[j * s1 + d] = win[(j + 1) * s1 + d];
+        if (K > 1) win[(K - 2) * s1 + d] = xb[d];
       }
-      yp[b * D + d] = acc;
-      for (int64_t j = 0; j + 1 < K - 1; ++j) win[j * s1 + d] = win[(j + 1) * s1 + d];
-      if (K > 1) win[(K - 2) * s1 + d] = xb[d];
     }
-  }
+  });
   return y;
 }
 
@@ -118,29 +130,32 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
   const bool* hp = his.data_ptr<bool>();
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
-  std::vector<float> hist(H * D);
-  for (int64_t b = 0; b < B; ++b) {
-    float* win = sp + ip[b] * s0;
-    for (int64_t j = 0; j < H; ++j)
-      for (int64_t d = 0; d < D; ++d) hist[j * D + d] = hp[b] ? win[j * s1 + d] : 0.0f;
-    const int64_t start = qp[b], end = qp[b + 1];
-    auto tap = [&](int64_t src, int64_t d) -> float {
-      return src >= start ? xp[src * D + d] : hist[(H - (start - src)) * D + d];
-    };
-    for (int64_t t = start; t < end; ++t) {
-      for (int64_t d = 0; d < D; ++d) {
-        const float* wd = wp + d * K;
-        float acc = xp[t * D + d] * wd[K - 1];
-        for (int64_t back = 1; back < K; ++back) {
-          const float prod = tap(t - back, d) * wd[K - 1 - back];
-          acc = acc + prod;
+  const int64_t tokens = x.size(0);
+  at::parallel_for(0, D, task_grain(std::max<int64_t>(1, tokens) * K), [&](int64_t d0, int64_t d1) {
+    std::vector<float> hist(H * D);  // each sequence's history, for this task's channels
+    for (int64_t b = 0; b < B; ++b) {
+      float* win = sp + ip[b] * s0;
+      for (int64_t j = 0; j < H; ++j)
+        for (int64_t d = d0; d < d1; ++d) hist[j * D + d] = hp[b] ? win[j * s1 + d] : 0.0f;
+      const int64_t start = qp[b], end = qp[b + 1];
+      auto tap = [&](int64_t src, int64_t d) -> float {
+        return src >= start ? xp[src * D + d] : hist[(H - (start - src)) * D + d];
+      };
+      for (int64_t t = start; t < end; ++t) {
+        for (int64_t d = d0; d < d1; ++d) {
+          const float* wd = wp + d * K;
+          float acc = xp[t * D + d] * wd[K - 1];
+          for (int64_t back = 1; back < K; ++back) {
+            const float prod = tap(t - back, d) * wd[K - 1 - back];
+            acc = acc + prod;
+          }
+          yp[t * D + d] = acc;
         }
-        yp[t * D + d] = acc;
       }
+      for (int64_t j = 0; j < H; ++j)
+        for (int64_t d = d0; d < d1; ++d) win[j * s1 + d] = tap(end - H + j, d);
     }
-    for (int64_t j = 0; j < H; ++j)
-      for (int64_t d = 0; d < D; ++d) win[j * s1 + d] = tap(end - H + j, d);
-  }
+  });
   return y;
 }
 
@@ -173,24 +188,27 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
   const int64_t v0 = windows.stride(0), v1 = windows.stride(1), v2 = windows.stride(2);
-  std::vector<float> seq((H + T) * D);  // the slot's window, then the row's tokens
-  for (int64_t b = 0; b < B; ++b) {
-    const float* win = sp + ip[b] * s0;
-    for (int64_t j = 0; j < H; ++j) std::memcpy(&seq[j * D], win + j * s1, D * sizeof(float));
-    std::memcpy(&seq[H * D], xp + b * T * D, T * D * sizeof(float));
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t d = 0; d < D; ++d) {
-        const float* wd = wp + d * K;
-        float acc = seq[(H + t) * D + d] * wd[K - 1];
-        for (int64_t back = 1; back < K; ++back) {
-          const float prod = seq[(H + t - back) * D + d] * wd[K - 1 - back];
-          acc = acc + prod;
+  // Rows are independent: split over the intra-op pool by rows.
+  at::parallel_for(0, B, task_grain(T * D * K), [&](int64_t b0, int64_t b1) {
+    std::vector<float> seq((H + T) * D);  // the slot's window, then the row's tokens
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* win = sp + ip[b] * s0;
+      for (int64_t j = 0; j < H; ++j) std::memcpy(&seq[j * D], win + j * s1, D * sizeof(float));
+      std::memcpy(&seq[H * D], xp + b * T * D, T * D * sizeof(float));
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t d = 0; d < D; ++d) {
+          const float* wd = wp + d * K;
+          float acc = seq[(H + t) * D + d] * wd[K - 1];
+          for (int64_t back = 1; back < K; ++back) {
+            const float prod = seq[(H + t - back) * D + d] * wd[K - 1 - back];
+            acc = acc + prod;
+          }
+          yp[(b * T + t) * D + d] = acc;
         }
-        yp[(b * T + t) * D + d] = acc;
+        for (int64_t j = 0; j < H; ++j) std::memcpy(vp + b * v0 + t * v1 + j * v2, &seq[(t + 1 + j) * D], D * sizeof(float));
       }
-      for (int64_t j = 0; j < H; ++j) std::memcpy(vp + b * v0 + t * v1 + j * v2, &seq[(t + 1 + j) * D], D * sizeof(float));
     }
-  }
+  });
   return y;
 }
 
@@ -316,39 +334,48 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t k0 = k_cache.stride(0), k1 = k_cache.stride(1), v0 = v_cache.stride(0), v1 = v_cache.stride(1);
   const float inv_hd = 1.0f / static_cast<float>(hd);
-  std::vector<float> qs(hd), scores, probs, acc(hd);
-  std::vector<int64_t> locs;
+  // Every row's key locations, rows one after another.
+  std::vector<int64_t> first_key(B), start(B + 1, 0), locs;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t pos = positions.data_ptr<int64_t>()[b], slot = idx.data_ptr<int32_t>()[b];
-    const int64_t first = keys.first(pos), n = pos - first + 1;
-    locs.resize(n);
-    for (int64_t j = 0; j < n; ++j) locs[j] = keys.location(slot, first + j);
+    first_key[b] = keys.first(pos);
+    start[b + 1] = start[b] + pos - first_key[b] + 1;
+    for (int64_t p = first_key[b]; p <= pos; ++p) locs.push_back(keys.location(slot, p));
+  }
+  // The scores of (row b, head h) into sh[0..n): in bf16 each step rounded as attend() rounds it.
+  auto head_scores = [&](int64_t b, int64_t h, float* qs, float* sh) {
+    const int64_t pos = positions.data_ptr<int64_t>()[b], first = first_key[b], n = start[b + 1] - start[b];
+    const int64_t* loc = locs.data() + start[b];
     const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
-    // The scores of head h into sh[0..n): in bf16 each step rounded as attend() rounds it.
-    auto head_scores = [&](int64_t h, float* sh) {
-      const scalar_t* qh = qp + (b * nh + h) * hd;
-      for (int64_t d = 0; d < hd; ++d)
-        qs[d] = tau.defined() ? rounded<scalar_t>(static_cast<float>(qh[d]) * t) : static_cast<float>(qh[d]);
-      const scalar_t* th = tp + (b * nh + h) * E;
-      const int64_t kvh = h / group;
-      for (int64_t j = 0; j < n; ++j) {
-        const scalar_t* kj = kp + locs[j] * k0 + kvh * k1;
-        float dot = 0.0f;
-        if constexpr (fp32) {
-          dot = fp32_dot(qs.data(), kj, hd);
-        } else {
-          for (int64_t d = 0; d < hd; ++d) dot += qs[d] * static_cast<float>(kj[d]);
-        }
-        const int64_t dist = pos - (first + j);
-        float bias = dist < rel_extent ? static_cast<float>(th[dist]) : 0.0f;
-        if (tau.defined()) bias = rounded<scalar_t>(bias * t);
-        sh[j] = rounded<scalar_t>(rounded<scalar_t>(rounded<scalar_t>(dot) * inv_hd) + bias);
+    const scalar_t* qh = qp + (b * nh + h) * hd;
+    for (int64_t d = 0; d < hd; ++d)
+      qs[d] = tau.defined() ? rounded<scalar_t>(static_cast<float>(qh[d]) * t) : static_cast<float>(qh[d]);
+    const scalar_t* th = tp + (b * nh + h) * E;
+    const int64_t kvh = h / group;
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* kj = kp + loc[j] * k0 + kvh * k1;
+      float dot = 0.0f;
+      if constexpr (fp32) {
+        dot = fp32_dot(qs, kj, hd);
+      } else {
+        for (int64_t d = 0; d < hd; ++d) dot += qs[d] * static_cast<float>(kj[d]);
       }
-    };
-    if constexpr (fp32) {
-      scores.resize(n);
-      for (int64_t h = 0; h < nh; ++h) {
-        head_scores(h, scores.data());
+      const int64_t dist = pos - (first + j);
+      float bias = dist < rel_extent ? static_cast<float>(th[dist]) : 0.0f;
+      if (tau.defined()) bias = rounded<scalar_t>(bias * t);
+      sh[j] = rounded<scalar_t>(rounded<scalar_t>(rounded<scalar_t>(dot) * inv_hd) + bias);
+    }
+  };
+  if constexpr (fp32) {
+    // (row, head) pairs are independent: split over the intra-op pool by pairs.
+    const int64_t mean_keys = std::max<int64_t>(1, start[B] / std::max<int64_t>(1, B));
+    at::parallel_for(0, B * nh, task_grain(2 * mean_keys * hd), [&](int64_t begin, int64_t end) {
+      std::vector<float> qs(hd), scores, acc(hd);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / nh, h = bh % nh, n = start[b + 1] - start[b];
+        const int64_t* loc = locs.data() + start[b];
+        scores.resize(n);
+        head_scores(b, h, qs.data(), scores.data());
         float mx = -INFINITY;
         for (int64_t j = 0; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
         float total = 0.0f;
@@ -360,33 +387,42 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t kvh = h / group;
         for (int64_t j = 0; j < n; ++j) {
           const float p = scores[j] / total;
-          fp32_axpy(p, vp + locs[j] * v0 + kvh * v1, acc.data(), hd);
+          fp32_axpy(p, vp + loc[j] * v0 + kvh * v1, acc.data(), hd);
         }
         float* oh = op + (b * nh + h) * hd;
         for (int64_t d = 0; d < hd; ++d) oh[d] = acc[d];
       }
-    } else {
-      scores.resize(nh * n);
-      probs.resize(nh * n);
-      for (int64_t h = 0; h < nh; ++h) head_scores(h, scores.data() + h * n);
-      // ATen's own CPU softmax kernel (called directly, once per row, on the row's buffers): its
-      // vectorized exp differs from std::exp in the last fp32 bit now and then, which is enough to move
-      // a probability's bf16 rounding.
-      at::Tensor probs_out = at::from_blob(probs.data(), {nh, n}, at::kFloat);
-      at::cpu::_softmax_out(probs_out, at::from_blob(scores.data(), {nh, n}, at::kFloat), 1, false);
-      for (int64_t i = 0; i < nh * n; ++i) probs[i] = rounded<scalar_t>(probs[i]);
-      for (int64_t h = 0; h < nh; ++h) {
-        const float* ph = probs.data() + h * n;
-        const int64_t kvh = h / group;
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* vj = vp + locs[j] * v0 + kvh * v1;
-          for (int64_t d = 0; d < hd; ++d) acc[d] += ph[j] * static_cast<float>(vj[d]);
+    });
+  } else {
+    // ATen's softmax takes a row's heads at once: split over the intra-op pool by rows.
+    const int64_t mean_keys = std::max<int64_t>(1, start[B] / std::max<int64_t>(1, B));
+    at::parallel_for(0, B, task_grain(2 * nh * mean_keys * hd), [&](int64_t b0, int64_t b1) {
+      std::vector<float> qs(hd), scores, probs, acc(hd);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n = start[b + 1] - start[b];
+        const int64_t* loc = locs.data() + start[b];
+        scores.resize(nh * n);
+        probs.resize(nh * n);
+        for (int64_t h = 0; h < nh; ++h) head_scores(b, h, qs.data(), scores.data() + h * n);
+        // ATen's own CPU softmax kernel (called directly, once per row, on the row's buffers): its
+        // vectorized exp differs from std::exp in the last fp32 bit now and then, which is enough to
+        // move a probability's bf16 rounding.
+        at::Tensor probs_out = at::from_blob(probs.data(), {nh, n}, at::kFloat);
+        at::cpu::_softmax_out(probs_out, at::from_blob(scores.data(), {nh, n}, at::kFloat), 1, false);
+        for (int64_t i = 0; i < nh * n; ++i) probs[i] = rounded<scalar_t>(probs[i]);
+        for (int64_t h = 0; h < nh; ++h) {
+          const float* ph = probs.data() + h * n;
+          const int64_t kvh = h / group;
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t* vj = vp + loc[j] * v0 + kvh * v1;
+            for (int64_t d = 0; d < hd; ++d) acc[d] += ph[j] * static_cast<float>(vj[d]);
+          }
+          scalar_t* oh = op + (b * nh + h) * hd;
+          for (int64_t d = 0; d < hd; ++d) oh[d] = static_cast<scalar_t>(acc[d]);
         }
-        scalar_t* oh = op + (b * nh + h) * hd;
-        for (int64_t d = 0; d < hd; ++d) oh[d] = static_cast<scalar_t>(acc[d]);
       }
-    }
+    });
   }
 }
 
@@ -457,11 +493,12 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k_ring, const a
 
 // ---- small-M matmul: y[n, O] = x[n, H] @ W^T, W given as [O, H] in either memory layout ----------
 // Decode multiplies a few to a few dozen rows by each weight: the weight should stream from memory
-// once, at bandwidth, while every loaded weight vector is used for several rows. MKL's small-M GEMMs
-// do neither well here (the README's roofline table measures it). Rows go in blocks of up to 4 that
-// share each weight load, the accumulators of a block in registers; blocks of outputs (W's layout) or
-// slices of inputs (W^T's) are outermost, so that however many rows there are, W is read from memory
-// once and every further row block finds its part in cache.
+// once, at bandwidth, while every loaded weight vector is used for every row. Rows go in blocks of up
+// to 4 that share each weight load, their accumulators in registers; the weight's outputs are split
+// into ranges, one per task of ATen's intra-op pool, and each output is computed by one task with
+// the same sequence of operations whatever the split: the result is the same at any thread count,
+// bit for bit. Whether this kernel or ATen's GEMM serves a shape is measured per machine
+// (inkling_compiled/kernel_choice.py) and set here through inkling_set_matmul_choice.
 //
 // Built once per instruction set (AVX-512, AVX2 + FMA, portable) and picked once, at load, for the
 // CPU it runs on (INKLING_CPU_ISA=avx512|avx2|portable forces one); multiply-adds may fuse here,
@@ -510,48 +547,10 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t
     }
 }
 
-constexpr int64_t kSlice = 64;  // rows of W^T per slice (sliced_matmul below)
-
-// W columns contiguous (W^T stored [H, O] row-major): R rows x 16*V outputs over h in [h0, h1), adding
-// to the partial sums already in y unless `first`.
-template <int R, int V>
-INKLING_INLINE void axpy_block_part(const float* x, int64_t H, int64_t h0, int64_t h1, const float* w, int64_t w_h,
-                                    int64_t O, float* y, bool first) {
-  vec16 acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = first ? vec16{} : load16(y + r * O + 16 * v);
-  for (int64_t h = h0; h < h1; ++h) {
-    const float* wh = w + h * w_h;
-    __builtin_prefetch(wh + kSlice * w_h);  // the same columns one slice on
-    vec16 wv[V];
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) wv[v] = load16(wh + 16 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float xs = x[r * H + h];
-#pragma GCC unroll 8
-      for (int v = 0; v < V; ++v) acc[r][v] += xs * wv[v];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) store16(y + r * O + 16 * v, acc[r][v]);
-}
-
-// The columns past the last full 16 (W^T layout): plain loops.
-INKLING_INLINE void axpy_tail(const float* x, int R, int64_t H, const float* w, int64_t w_h, int64_t O, int64_t width,
-                              float* y) {
-  for (int r = 0; r < R; ++r)
-    for (int64_t o = 0; o < width; ++o) {
-      float total = 0.0f;
-      for (int64_t h = 0; h < H; ++h) total += x[r * H + h] * w[h * w_h + o];
-      y[r * O + o] = total;
-    }
-}
-
 // One panel of outputs [o, o + width) of W's layout for R rows: 4 outputs, or the last panel's rest.
 template <int R>
-INKLING_INLINE void matmul_panel(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t o,
-                                 int64_t width, float* y) {
+INKLING_INLINE void dot_panel(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t o,
+                              int64_t width, float* y) {
   if (width == 4) {
     dot_block<R, 4>(x, H, w + o * w_o, w_o, O, y + o);
     return;
@@ -559,57 +558,76 @@ INKLING_INLINE void matmul_panel(const float* x, int64_t H, const float* w, int6
   for (int64_t c = o; c < o + width; ++c) dot_block<R, 1>(x, H, w + c * w_o, w_o, O, y + c);
 }
 
-// W^T layout: h in slices of kSlice, so that each slice of W^T (one contiguous
-// run of kSlice * O floats, read from memory once, at stream speed) serves every row block from cache;
-// the partial sums wait in y between slices.
-template <int R>
-INKLING_INLINE void sliced_rows(const float* x, int64_t H, int64_t h0, int64_t h1, const float* w, int64_t w_h,
-                                int64_t O, int64_t full, float* y) {
-  int64_t o = 0;
-  for (; o + 32 <= full; o += 32) axpy_block_part<R, 2>(x, H, h0, h1, w + o, w_h, O, y + o, h0 == 0);
-  for (; o < full; o += 16) axpy_block_part<R, 1>(x, H, h0, h1, w + o, w_h, O, y + o, h0 == 0);
-}
-
-INKLING_INLINE void sliced_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_h,
-                                  float* y) {
-  const int64_t full = O / 16 * 16;
-  for (int64_t h0 = 0; h0 < H; h0 += kSlice) {
-    const int64_t h1 = std::min(H, h0 + kSlice);
+// W's layout, outputs [o0, o1) (o0 a multiple of 4): panels of 4 outputs outermost, so that a panel
+// (4 rows of W) comes from memory once and serves every block of rows from cache.
+INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
+                                int64_t o0, int64_t o1, float* y) {
+  for (int64_t o = o0; o < o1; o += 4) {
+    const int64_t width = std::min<int64_t>(4, o1 - o);
     int64_t r = 0;
-    for (; r + 4 <= n; r += 4) sliced_rows<4>(x + r * H, H, h0, h1, w, w_h, O, full, y + r * O);
+    for (; r + 4 <= n; r += 4) dot_panel<4>(x + r * H, H, w, O, w_o, o, width, y + r * O);
     switch (n - r) {
-      case 3: sliced_rows<3>(x + r * H, H, h0, h1, w, w_h, O, full, y + r * O); break;
-      case 2: sliced_rows<2>(x + r * H, H, h0, h1, w, w_h, O, full, y + r * O); break;
-      case 1: sliced_rows<1>(x + r * H, H, h0, h1, w, w_h, O, full, y + r * O); break;
-      default: break;
-    }
-  }
-  if (full < O)
-    for (int64_t r = 0; r < n; ++r) axpy_tail(x + r * H, 1, H, w + full, w_h, O, O - full, y + r * O + full);
-}
-
-// W's layout: panels of 4 outputs outermost, so that a panel (4 rows of W) comes from memory once and
-// serves every block of rows from cache: n rows cost one pass over W, not one per block of 4.
-INKLING_INLINE void rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
-                                int64_t w_h, float* y) {
-  if (w_h != 1) return sliced_matmul(x, n, H, w, O, w_h, y);
-  for (int64_t o = 0; o < O; o += 4) {
-    const int64_t width = std::min<int64_t>(4, O - o);
-    int64_t r = 0;
-    for (; r + 4 <= n; r += 4) matmul_panel<4>(x + r * H, H, w, O, w_o, o, width, y + r * O);
-    switch (n - r) {
-      case 3: matmul_panel<3>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
-      case 2: matmul_panel<2>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
-      case 1: matmul_panel<1>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+      case 3: dot_panel<3>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+      case 2: dot_panel<2>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+      case 1: dot_panel<1>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
       default: break;
     }
   }
 }
 
-#define INKLING_MATMUL_FOR(isa_name, features)                                                              \
-  __attribute__((target(features), optimize("fp-contract=fast"))) void rows_matmul_##isa_name(              \
-      const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h, float* y) { \
-    rows_matmul(x, n, H, w, O, w_o, w_h, y);                                                                 \
+constexpr int64_t kGroup = 8;  // rows of W^T read together (axpy_outputs below)
+
+// W columns contiguous (W^T stored [H, O] row-major), outputs [o0, o1) (o0 a multiple of 16), terms
+// h in [h0, h1): W^T is read kGroup of its rows at a time, front to back, so that the weight streams in
+// order; each group adds its kGroup terms to every row's partial sums in y (cache-resident). Every
+// output sums its terms in order h = h0, h0 + 1, ..., whatever the grouping.
+INKLING_INLINE void axpy_outputs(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_h,
+                                 int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
+  const int64_t full = o0 + (o1 - o0) / 16 * 16;
+  for (int64_t hg = h0; hg < h1; hg += kGroup) {
+    const int64_t g = std::min(kGroup, h1 - hg);
+    const float* wg = w + hg * w_h;
+    for (int64_t o = o0; o < full; o += 16) {
+      vec16 wv[kGroup];
+      for (int64_t j = 0; j < g; ++j) {
+        __builtin_prefetch(wg + j * w_h + o + kPrefetch);
+        wv[j] = load16(wg + j * w_h + o);
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const float* xr = x + r * H + hg;
+        float* yr = y + r * O + o;
+        vec16 acc = hg == h0 ? vec16{} : load16(yr);
+        if (g == kGroup) {
+#pragma GCC unroll 8
+          for (int64_t j = 0; j < kGroup; ++j) acc += xr[j] * wv[j];
+        } else {
+          for (int64_t j = 0; j < g; ++j) acc += xr[j] * wv[j];
+        }
+        store16(yr, acc);
+      }
+    }
+    for (int64_t o = full; o < o1; ++o)  // the columns past the last full 16: plain loops
+      for (int64_t r = 0; r < n; ++r) {
+        float total = hg == h0 ? 0.0f : y[r * O + o];
+        for (int64_t j = 0; j < g; ++j) total += x[r * H + hg + j] * wg[j * w_h + o];
+        y[r * O + o] = total;
+      }
+  }
+}
+
+// y[n, O] (row stride O) = the terms h in [h0, h1) of x @ W^T, for outputs [o0, o1). W's layout
+// (w_h == 1) takes every term at once (h0 = 0, h1 = H).
+INKLING_INLINE void matmul_outputs(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
+                                   int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
+  if (w_h == 1) dot_outputs(x, n, H, w, O, w_o, o0, o1, y);
+  else axpy_outputs(x, n, H, w, O, w_h, o0, o1, h0, h1, y);
+}
+
+#define INKLING_MATMUL_FOR(isa_name, features)                                                                 \
+  __attribute__((target(features), optimize("fp-contract=fast"))) void matmul_outputs_##isa_name(              \
+      const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h, int64_t o0,    \
+      int64_t o1, int64_t h0, int64_t h1, float* y) {                                                           \
+    matmul_outputs(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, y);                                                 \
   }
 INKLING_MATMUL_FOR(avx512, "avx512f,avx512vl,avx2,fma")
 INKLING_MATMUL_FOR(avx2, "avx2,fma")
@@ -644,12 +662,13 @@ INKLING_VECTOR_FOR(avx2, "avx2,fma")
 float dot_portable(const float* a, const float* b, int64_t n) { return dot_body(a, b, n); }
 void axpy_portable(float s, const float* x, float* y, int64_t n) { axpy_body(s, x, y, n); }
 
-// Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE.
-void rows_matmul_portable(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
-                          float* y) {
+// Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE, in
+// the same order of terms per output (h = 0, 1, ...; 16 partial sums in W's layout).
+void matmul_outputs_portable(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
+                             int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
   constexpr int64_t L = 16;
   if (w_h == 1) {  // rows of W contiguous: one dot product per (row, output)
-    for (int64_t o = 0; o < O; ++o) {
+    for (int64_t o = o0; o < o1; ++o) {
       const float* wo = w + o * w_o;
       for (int64_t r = 0; r < n; ++r) {
         const float* xr = x + r * H;
@@ -665,18 +684,19 @@ void rows_matmul_portable(const float* x, int64_t n, int64_t H, const float* w, 
     }
     return;
   }
-  std::fill(y, y + n * O, 0.0f);  // columns of W contiguous: y[r, :] += x[r, h] * W^T[h, :]
-  for (int64_t h = 0; h < H; ++h) {
+  for (int64_t r = 0; r < n; ++r) std::fill(y + r * O + o0, y + r * O + o1, 0.0f);
+  for (int64_t h = h0; h < h1; ++h) {  // columns of W contiguous: y[r, o0:o1] += x[r, h] * W^T[h, o0:o1]
     const float* wh = w + h * w_h;
     for (int64_t r = 0; r < n; ++r) {
       const float xv = x[r * H + h];
       float* yr = y + r * O;
-      for (int64_t o = 0; o < O; ++o) yr[o] += xv * wh[o];
+      for (int64_t o = o0; o < o1; ++o) yr[o] += xv * wh[o];
     }
   }
 }
 
-using MatmulKernel = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+using MatmulKernel = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
+                              int64_t, int64_t, int64_t, float*);
 
 struct MatmulChoice {
   const char* isa;
@@ -692,9 +712,11 @@ MatmulChoice choose_matmul() {
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("fma");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if ((want.empty() || want == "avx512") && avx512) return {"avx512", rows_matmul_avx512, dot_avx512, axpy_avx512};
-  if ((want.empty() || want == "avx512" || want == "avx2") && avx2) return {"avx2", rows_matmul_avx2, dot_avx2, axpy_avx2};
-  return {"portable", rows_matmul_portable, dot_portable, axpy_portable};
+  if ((want.empty() || want == "avx512") && avx512)
+    return {"avx512", matmul_outputs_avx512, dot_avx512, axpy_avx512};
+  if ((want.empty() || want == "avx512" || want == "avx2") && avx2)
+    return {"avx2", matmul_outputs_avx2, dot_avx2, axpy_avx2};
+  return {"portable", matmul_outputs_portable, dot_portable, axpy_portable};
 }
 
 const MatmulChoice& matmul_choice() {
@@ -702,29 +724,162 @@ const MatmulChoice& matmul_choice() {
   return choice;
 }
 
+// A task of the intra-op pool should read at least this much weight: below it, waking a thread
+// costs more than the task saves.
+constexpr int64_t kTaskBytes = 64 << 10;
+constexpr int64_t kChunkRows = 64;     // rows of W^T per task: a contiguous block of the weight
+constexpr int64_t kChunkCols = 4096;   // columns of W^T per task at most
+
+// One matmul cut into tasks that each read one contiguous block of the weight and write outputs no
+// other task writes, so that tasks run in any order on any thread with the same result:
+// - W's layout: ranges of outputs (whole rows of W), one task each;
+// - W^T's: (chunk of kChunkRows rows of W^T, range of columns) pairs; each chunk's partial sums go to
+//   a scratch buffer of their own, and `reduce` adds the chunks in order. The chunks depend on the
+//   shape only, never on the thread count.
+struct SplitMatmul {
+  const float* x;
+  int64_t n, H;
+  const float* w;
+  int64_t O, w_o, w_h;
+  float* y;
+  float* partial;  // chunks() x n x O floats when chunks() > 1, else unused
+  int64_t o_step = 0, o_tasks = 0, h_chunks = 1;
+
+  SplitMatmul(const float* x_, int64_t n_, int64_t H_, const float* w_, int64_t O_, int64_t w_o_, int64_t w_h_,
+              float* y_)
+      : x(x_), n(n_), H(H_), w(w_), O(O_), w_o(w_o_), w_h(w_h_), y(y_), partial(nullptr) {
+    if (w_h == 1) {
+      // Panels of 4 outputs, enough of them that a task reads kTaskBytes.
+      o_step = 4 * std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, 16 * H));
+    } else {
+      o_step = std::min<int64_t>(kChunkCols, (O + 15) / 16 * 16);
+      h_chunks = (H + kChunkRows - 1) / kChunkRows;
+    }
+    o_tasks = (O + o_step - 1) / o_step;
+  }
+  int64_t tasks() const { return o_tasks * h_chunks; }
+  int64_t scratch_floats() const { return h_chunks > 1 ? h_chunks * n * O : 0; }
+  void run(int64_t task, MatmulKernel kernel) const {
+    const int64_t chunk = task / o_tasks, o0 = task % o_tasks * o_step, o1 = std::min(O, o0 + o_step);
+    const int64_t h0 = chunk * kChunkRows, h1 = w_h == 1 ? H : std::min(H, h0 + kChunkRows);
+    kernel(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, h_chunks > 1 ? partial + chunk * n * O : y);
+  }
+  // y = the chunks' partial sums, added in chunk order; outputs [o0, o1) of every row.
+  void reduce(int64_t o0, int64_t o1) const {
+    if (h_chunks == 1) return;
+    for (int64_t r = 0; r < n; ++r) {
+      float* yr = y + r * O;
+      std::copy(partial + r * O + o0, partial + r * O + o1, yr + o0);
+      for (int64_t c = 1; c < h_chunks; ++c) {
+        const float* pr = partial + (c * n + r) * O;
+        for (int64_t o = o0; o < o1; ++o) yr[o] += pr[o];
+      }
+    }
+  }
+};
+
+// The calling thread's scratch for partial sums, grown as needed (no allocation per call once warm).
+float* scratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+// Runs the tasks of every matmul in `parts` on the intra-op pool, then their reductions.
+void run_split(std::vector<SplitMatmul>& parts) {
+  int64_t floats = 0, tasks = 0;
+  for (const auto& p : parts) floats += p.scratch_floats();
+  float* buffer = scratch(floats);
+  std::vector<std::pair<int64_t, int64_t>> all;  // (part, task)
+  for (size_t i = 0; i < parts.size(); ++i) {
+    parts[i].partial = buffer;
+    buffer += parts[i].scratch_floats();
+    for (int64_t t = 0; t < parts[i].tasks(); ++t) all.emplace_back(i, t);
+    tasks += parts[i].tasks();
+  }
+  const MatmulKernel kernel = matmul_choice().kernel;
+  int64_t bytes = 0;
+  for (const auto& p : parts) bytes += p.O * p.H * 4;
+  const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, bytes / std::max<int64_t>(1, tasks)));
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) parts[all[t].first].run(all[t].second, kernel);
+  });
+  constexpr int64_t kReduceCols = 1024;
+  std::vector<std::pair<int64_t, int64_t>> sums;  // (part, first column)
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (parts[i].h_chunks > 1)
+      for (int64_t o = 0; o < parts[i].O; o += kReduceCols) sums.emplace_back(i, o);
+  at::parallel_for(0, static_cast<int64_t>(sums.size()), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto& p = parts[sums[t].first];
+      p.reduce(sums[t].second, std::min(p.O, sums[t].second + kReduceCols));
+    }
+  });
+}
+
+// y[n, O] = x[n, H] @ W^T over the intra-op pool.
 void few_rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h,
                      float* y) {
-  matmul_choice().kernel(x, n, H, w, O, w_o, w_h, y);
+  std::vector<SplitMatmul> one{SplitMatmul(x, n, H, w, O, w_o, w_h, y)};
+  run_split(one);
 }
 
 float fp32_dot(const float* a, const float* b, int64_t n) { return matmul_choice().dot(a, b, n); }
 void fp32_axpy(float s, const float* x, float* y, int64_t n) { matmul_choice().axpy(s, x, y, n); }
 
-// Up to how many rows a projection or an expert takes the kernel above; past it MKL's GEMM wins on
-// the machines measured (tools/bench_matmul.py; INKLING_FEW_ROWS changes it, to compare).
-int64_t few_rows() {
+// ---- which kernel serves a weight shape: measured per machine, set from Python -------------------
+// Per (O, H, layout, thread count): bit r-1 of the mask set = this kernel for r rows (r <= 64), else
+// ATen's. Shapes never measured take this kernel up to kDefaultFewRows rows. INKLING_FEW_ROWS=N
+// overrides every choice: this kernel up to N rows (to compare the two).
+constexpr int64_t kMaxFewRows = 64;
+constexpr int64_t kDefaultFewRows = 16;
+
+struct ShapeKey {
+  int64_t O, H, column_major, threads;
+  bool operator==(const ShapeKey& o) const {
+    return O == o.O && H == o.H && column_major == o.column_major && threads == o.threads;
+  }
+};
+struct ShapeKeyHash {
+  size_t operator()(const ShapeKey& k) const {
+    size_t h = std::hash<int64_t>()(k.O);
+    for (int64_t v : {k.H, k.column_major, k.threads}) h = h * 1000003u ^ std::hash<int64_t>()(v);
+    return h;
+  }
+};
+
+std::shared_mutex choices_lock;
+std::unordered_map<ShapeKey, uint64_t, ShapeKeyHash>& matmul_choices() {
+  static std::unordered_map<ShapeKey, uint64_t, ShapeKeyHash> choices;
+  return choices;
+}
+
+int64_t few_rows_override() {
   static const int64_t limit = [] {
     const char* set = std::getenv("INKLING_FEW_ROWS");
-    return set ? std::max<int64_t>(0, std::atoll(set)) : int64_t{16};
+    return set ? std::max<int64_t>(0, std::atoll(set)) : int64_t{-1};
   }();
   return limit;
 }
 
+// Whether n rows times the weight [O, H] (stride 1 along H, or along O if column-major) take this kernel.
+bool few_rows_serves(int64_t O, int64_t H, bool column_major, int64_t n) {
+  const int64_t forced = few_rows_override();
+  if (forced >= 0) return n <= forced;
+  if (n < 1 || n > kMaxFewRows) return false;
+  std::shared_lock<std::shared_mutex> read(choices_lock);
+  const auto& choices = matmul_choices();
+  const auto found = choices.find({O, H, column_major, at::get_num_threads()});
+  if (found == choices.end()) return n <= kDefaultFewRows;
+  return (found->second >> (n - 1)) & 1u;
+}
+
 // Routed experts: tokens grouped by expert (stable), each chosen expert's weights read once. Experts
-// with few rows (decode) run the loops above; busier ones (prefill) go through ATen's GEMM.
+// whose rows the measured choice gives to the kernel above run on it, split over the intra-op pool by
+// (expert, output range); the others go through ATen's GEMM (prefill). Each token's output sums its
+// experts' contributions in expert order: the same result at any thread count.
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::Tensor& weights,
                        const at::Tensor& gate_up, const at::Tensor& down) {
-  const int64_t kFewRows = few_rows();
   const auto ids = expert_ids.to(at::kLong).contiguous();
   const auto x = x_in.contiguous();
   const int64_t T = ids.size(0), k = ids.size(1), E = gate_up.size(0), H = x.size(1), I = down.size(2);
@@ -738,56 +893,93 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   }
   const auto flat_w = weights.reshape({-1}).to(at::kFloat).contiguous();
   auto out = at::zeros_like(x);
-  const bool fast = x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat &&
+  const bool fp32 = x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat &&
                     down.scalar_type() == at::kFloat && (gate_up.stride(2) == 1 || gate_up.stride(1) == 1) &&
                     (down.stride(2) == 1 || down.stride(1) == 1);
-  std::vector<float> xs, gu, act, y;
   const auto opts = at::TensorOptions().dtype(at::kLong);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = static_cast<int64_t>(rows[e].size());
-    if (n == 0) continue;
-    if (!fast || n > kFewRows) {
+  if (!fp32) {  // bf16 and other dtypes: ATen per expert, in expert order
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = static_cast<int64_t>(rows[e].size());
+      if (n == 0) continue;
       const auto r = at::from_blob(rows[e].data(), {n}, opts);
       const auto s = at::from_blob(slots[e].data(), {n}, opts);
       const auto g = at::linear(x.index_select(0, r), gate_up[e]);
       const auto h = at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I);
       out.index_add_(0, r, at::linear(h, down[e]) * flat_w.index_select(0, s).unsqueeze(1).to(x.scalar_type()));
-      continue;
     }
-    xs.resize(n * H);
-    gu.resize(n * 2 * I);
-    act.resize(n * I);
-    y.resize(n * H);
-    const float* xp = x.data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r) std::memcpy(&xs[r * H], xp + rows[e][r] * H, H * sizeof(float));
-    const auto gw = gate_up[e], dw = down[e];
-    few_rows_matmul(xs.data(), n, H, gw.data_ptr<float>(), 2 * I, gw.stride(0), gw.stride(1), gu.data());
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = gu[r * 2 * I + i];
-        act[r * I + i] = (g / (1.0f + std::exp(-g))) * gu[r * 2 * I + I + i];
-      }
-    few_rows_matmul(act.data(), n, I, dw.data_ptr<float>(), H, dw.stride(0), dw.stride(1), y.data());
-    float* op = out.data_ptr<float>();
-    const float* wp = flat_w.data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r) {
-      const float wgt = wp[slots[e][r]];
-      float* dst = op + rows[e][r] * H;
-      for (int64_t h = 0; h < H; ++h) dst[h] += y[r * H + h] * wgt;
-    }
+    return out;
   }
+  // Each (expert, row) pair gets a row of the scratch buffers, experts in order.
+  std::vector<int64_t> first(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows[e].size());
+  const int64_t pairs = first[E];
+  std::vector<float> xs(pairs * H), gu(pairs * 2 * I), act(pairs * I), ys(pairs * H);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e)
+    for (size_t r = 0; r < rows[e].size(); ++r)
+      std::memcpy(&xs[(first[e] + r) * H], xp + rows[e][r] * H, H * sizeof(float));
+  const bool gu_cm = gate_up.stride(1) == 1, down_cm = down.stride(1) == 1;
+  std::vector<char> ours(E, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = first[e + 1] - first[e];
+    ours[e] = n > 0 && few_rows_serves(2 * I, H, gu_cm, n) && few_rows_serves(H, I, down_cm, n);
+  }
+  // One matmul of every expert the kernel serves, their tasks on the intra-op pool together.
+  auto experts_matmul = [&](const at::Tensor& bank, int64_t O, int64_t in, const float* src, float* dst) {
+    std::vector<SplitMatmul> parts;
+    for (int64_t e = 0; e < E; ++e)
+      if (ours[e])
+        parts.emplace_back(src + first[e] * in, first[e + 1] - first[e], in,
+                           bank.data_ptr<float>() + e * bank.stride(0), O, bank.stride(1), bank.stride(2),
+                           dst + first[e] * O);
+    run_split(parts);
+  };
+  experts_matmul(gate_up, 2 * I, H, xs.data(), gu.data());
+  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = gu[p * 2 * I + i];
+        act[p * I + i] = (g / (1.0f + std::exp(-g))) * gu[p * 2 * I + I + i];
+      }
+  });
+  experts_matmul(down, H, I, act.data(), ys.data());
+  for (int64_t e = 0; e < E; ++e) {  // the busy experts: ATen's GEMM, itself on the intra-op pool
+    const int64_t n = first[e + 1] - first[e];
+    if (n == 0 || ours[e]) continue;
+    const auto xe = at::from_blob(&xs[first[e] * H], {n, H}, x.options());
+    const auto g = at::linear(xe, gate_up[e]);
+    const auto h = at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I);
+    at::from_blob(&ys[first[e] * H], {n, H}, x.options()).copy_(at::linear(h, down[e]));
+  }
+  // Each token adds its experts' rows, weighted, in expert order.
+  std::vector<std::vector<int64_t>> token_pairs(T);
+  std::vector<float> pair_weight(pairs);
+  const float* wp = flat_w.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e)
+    for (size_t r = 0; r < rows[e].size(); ++r) {
+      token_pairs[rows[e][r]].push_back(first[e] + r);
+      pair_weight[first[e] + r] = wp[slots[e][r]];
+    }
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (const int64_t p : token_pairs[t]) {
+        const float wgt = pair_weight[p];
+        float* dst = op + t * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] += ys[p * H + h] * wgt;
+      }
+  });
   return out;
 }
 
-// y = x @ W^T; a few fp32 rows (decode) through few_rows_matmul, anything else through ATen.
+// y = x @ W^T; fp32 rows through few_rows_matmul where the measured choice says so, else ATen.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight) {
-  const int64_t kFewRows = few_rows();
   const int64_t H = x_in.size(-1), O = weight.size(0);
   const int64_t n = H ? x_in.numel() / H : 0;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == H, "linear: weight [O, ", H, "] expected");
-  const bool fast = x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && n <= kFewRows &&
-                    weight.dim() == 2 && (weight.stride(1) == 1 || weight.stride(0) == 1);
-  if (!fast) return at::linear(x_in, weight);
+  const bool fp32 = x_in.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat &&
+                    (weight.stride(1) == 1 || weight.stride(0) == 1);
+  if (!fp32 || !few_rows_serves(O, H, weight.stride(1) != 1, n)) return at::linear(x_in, weight);
   const auto x = x_in.contiguous();
   auto sizes = x_in.sizes().vec();
   sizes.back() = O;
@@ -808,26 +1000,29 @@ at::Tensor top_k_top_p(const at::Tensor& scaled_in, const at::Tensor& top_k, con
   const int64_t B = scaled.size(0), V = scaled.size(1);
   const float* sp = scaled.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  std::vector<float> ord(V);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t want = tk.data_ptr<int64_t>()[b];
-    const int64_t k = want > 0 && want < V ? want : V;
-    const float p = tp.data_ptr<float>()[b];
-    if (k == V && p >= 1.0f) continue;
-    const float* row = sp + b * V;
-    std::copy(row, row + V, ord.begin());
-    std::partial_sort(ord.begin(), ord.begin() + k, ord.end(), std::greater<float>());
-    float total = 0.0f;
-    for (int64_t j = 0; j < k; ++j) total += std::exp(ord[j] - ord[0]);
-    float threshold = ord[0], mass_before = 0.0f;
-    for (int64_t j = 0; j < k && mass_before < p; ++j) {  // the top value is always kept
-      threshold = ord[j];
-      mass_before += std::exp(ord[j] - ord[0]) / total;
+  // Rows are independent: split over the intra-op pool by rows (a sort of V values each).
+  at::parallel_for(0, B, task_grain(8 * V), [&](int64_t b0, int64_t b1) {
+    std::vector<float> ord(V);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t want = tk.data_ptr<int64_t>()[b];
+      const int64_t k = want > 0 && want < V ? want : V;
+      const float p = tp.data_ptr<float>()[b];
+      if (k == V && p >= 1.0f) continue;
+      const float* row = sp + b * V;
+      std::copy(row, row + V, ord.begin());
+      std::partial_sort(ord.begin(), ord.begin() + k, ord.end(), std::greater<float>());
+      float total = 0.0f;
+      for (int64_t j = 0; j < k; ++j) total += std::exp(ord[j] - ord[0]);
+      float threshold = ord[0], mass_before = 0.0f;
+      for (int64_t j = 0; j < k && mass_before < p; ++j) {  // the top value is always kept
+        threshold = ord[j];
+        mass_before += std::exp(ord[j] - ord[0]) / total;
+      }
+      float* dst = op + b * V;
+      for (int64_t v = 0; v < V; ++v)
+        if (row[v] < threshold) dst[v] = -INFINITY;
     }
-    float* dst = op + b * V;
-    for (int64_t v = 0; v < V; ++v)
-      if (row[v] < threshold) dst[v] = -INFINITY;
-  }
+  });
   return out;
 }
 
@@ -835,6 +1030,20 @@ at::Tensor top_k_top_p(const at::Tensor& scaled_in, const at::Tensor& top_k, con
 
 // Which matmul build the loader picked, for Python (ctypes) to report.
 extern "C" const char* inkling_cpu_isa() { return matmul_choice().isa; }
+
+// The measured choice for one weight shape at one thread count (see few_rows_serves), from Python
+// (ctypes): bit r-1 of `rows_mask` set = the few-rows kernel for r rows.
+extern "C" void inkling_set_matmul_choice(int64_t O, int64_t H, int64_t column_major, int64_t threads,
+                                          uint64_t rows_mask) {
+  std::unique_lock<std::shared_mutex> write(choices_lock);
+  matmul_choices()[{O, H, column_major != 0, threads}] = rows_mask;
+}
+
+// Forgets every measured choice (shapes fall back to the default).
+extern "C" void inkling_clear_matmul_choices() {
+  std::unique_lock<std::shared_mutex> write(choices_lock);
+  matmul_choices().clear();
+}
 
 TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("sconv_decode", &sconv_decode);
