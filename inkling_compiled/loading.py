@@ -41,16 +41,24 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def column_major(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether a matmul weight `[..., out, in]` (used as x @ W^T) is better stored transposed.
-
-    Measured on our CPUs (MKL, one thread): a GEMV with a wide output streams about twice as fast
-    when W^T is the contiguous operand; a tall one is a little faster as stored. Only the memory
-    layout changes: names, shapes and values stay those of the checkpoint.
-    """
+def is_matmul_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is a matmul weight `[..., out, in]` (used as x @ W^T) the engine may store transposed."""
     is_matmul = name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) or name == "lm_head.weight"
-    is_matmul = is_matmul or (".shared_experts." in name)
-    return is_matmul and len(shape) >= 2 and shape[-2] > shape[-1]
+    return (is_matmul or ".shared_experts." in name) and len(shape) >= 2
+
+
+def column_major(name: str, shape: tuple[int, ...], choices=None) -> bool:
+    """Whether a matmul weight is stored transposed (W^T contiguous). Only the memory layout changes:
+    names, shapes and values stay those of the checkpoint.
+
+    On CPU with the C++ kernels, `choices` (kernel_choice.KernelChoices) says, from a measurement on
+    this machine. Elsewhere by shape: a GEMV with a wide output streams faster with W^T contiguous.
+    """
+    if not is_matmul_weight(name, shape):
+        return False
+    if choices is not None:
+        return choices.choice(shape[-2], shape[-1]).column_major
+    return shape[-2] > shape[-1]
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
@@ -73,13 +81,19 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     rows = config.logits_vocab_size
     tp = TensorParallel(config, *tensor_parallel) if tensor_parallel is not None else None
 
+    choices = None
+    if device.type == "cpu" and dtype == torch.float32:
+        from .kernel_choice import for_this_machine
+
+        choices = for_this_machine()
+
     def convert(name: str, t: torch.Tensor) -> torch.Tensor:
         if name == "lm_head.weight" and t.shape[0] != rows:
             t = t[:rows]
         # Always a fresh, allocator-aligned tensor: safetensors hands out views into the mmap at
         # arbitrary alignment, and SIMD kernels round differently on differently aligned data.
         out_dtype = torch.float32 if keeps_fp32(name) else dtype
-        if column_major(name, t.shape):
+        if column_major(name, t.shape, choices if out_dtype == torch.float32 else None):
             fresh = torch.empty(t.shape[:-2] + (t.shape[-1], t.shape[-2]), dtype=out_dtype, device=device)
             return fresh.copy_(t.transpose(-1, -2)).transpose(-1, -2)
         return torch.empty(t.shape, dtype=out_dtype, device=device).copy_(t)

@@ -1,0 +1,248 @@
+"""Which kernel multiplies each weight shape on this machine, and in which layout: measured, not guessed.
+
+For a matmul weight [O, H] (used as x @ W^T) the engine can store W or W^T contiguous, and multiply a
+few rows by it with its own C++ kernel or with ATen's GEMM (MKL). Which is faster depends on the CPU,
+its caches, the thread count and the rows, so the first time a shape is loaded on a machine both
+kernels are timed in both layouts for each row count in ROWS (a few milliseconds per shape), the weight
+streaming from copies that do not fit in cache, as a decode step reads it. The layout whose best kernel
+is faster over those rows is stored; the C++ kernel learns, per row count, whether it or ATen serves.
+
+Results live in one file per machine key (CPU model, instruction set, core count, torch, the kernels'
+build, the thread count) under the cache directory, as inductor keeps its autotuning: a different
+machine, build or thread count measures afresh. A file that does not parse, or whose key is another
+machine's, is ignored with a warning and rewritten. INKLING_FEW_ROWS=N skips all of this (the C++
+kernel up to N rows, layouts by shape): an override, for comparisons.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+log = logging.getLogger("inkling_compiled")
+
+ROWS = (1, 2, 4, 8, 16, 32)  # row counts measured; a count in between takes the next one up, more go to ATen
+MAX_ROWS = 64  # the C++ kernel's limit
+STREAM_BYTES = 32 << 20  # the copies a measurement cycles through: past the per-core caches
+CALLS = 16  # per pass of a measurement, at most
+PASSES = 3
+FORMAT = 1
+
+
+class ShapeChoice(msgspec.Struct):
+    """One weight shape's measurement: microseconds per call, per layout and row count."""
+    out_features: int
+    in_features: int
+    column_major: bool  # the layout chosen: W^T contiguous
+    ours_us: dict[str, list[float]]  # "W" | "W^T" -> one time per row count of ROWS
+    aten_us: dict[str, list[float]]
+
+    @property
+    def layout(self) -> str:
+        return "W^T" if self.column_major else "W"
+
+    def ours_rows(self, layout: str | None = None) -> list[int]:
+        """The measured row counts at which the C++ kernel beats ATen (in the chosen layout by default)."""
+        layout = layout or self.layout
+        return [r for r, ours, aten in zip(ROWS, self.ours_us[layout], self.aten_us[layout]) if ours <= aten]
+
+    def rows_mask(self, layout: str) -> int:
+        """Bit r-1 set = the C++ kernel for r rows (1 <= r <= MAX_ROWS); a count between two measured
+        ones takes the choice of the next one up."""
+        won = set(self.ours_rows(layout))
+        mask = 0
+        for r in range(1, ROWS[-1] + 1):
+            if next(m for m in ROWS if m >= r) in won:
+                mask |= 1 << (r - 1)
+        return mask
+
+
+class ChoiceFile(msgspec.Struct):
+    format: int
+    key: dict[str, str]
+    shapes: list[ShapeChoice]
+
+
+def machine_key(threads: int) -> dict[str, str]:
+    """What a measurement depends on: the CPU, the kernels' build, torch, the thread count."""
+    from .custom_ops.library import cpu_isa, extension_dir
+
+    model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "machine": platform.machine(), "cores": str(os.cpu_count()), "isa": str(cpu_isa()),
+            "kernels": extension_dir().name, "torch": str(torch.__version__), "threads": str(threads)}
+
+
+def choices_path(key: dict[str, str]) -> Path:
+    from .paths import default_cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return default_cache_dir() / "kernel-choices" / f"{digest}.json"
+
+
+def _library() -> ctypes.CDLL:
+    from .custom_ops import library
+
+    if not library.native_kernels():
+        raise RuntimeError("the inkling C++ CPU kernels are not loaded: there is no kernel to choose")
+    return ctypes.CDLL(str(library._library))
+
+
+def _set_choice(o: int, h: int, column_major: bool, threads: int, mask: int) -> None:
+    fn = _library().inkling_set_matmul_choice
+    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64]
+    fn(o, h, int(column_major), threads, mask)
+
+
+def _per_call_us(fn, weights: list[torch.Tensor], calls: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(weights[i % len(weights)])
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def measure_shape(o: int, h: int, threads: int) -> ShapeChoice:
+    """Times the C++ kernel and ATen at every row count of ROWS, in both layouts, at `threads`."""
+    copies = max(2, min(CALLS, STREAM_BYTES // max(1, o * h * 4)))
+    calls = max(4, min(CALLS, STREAM_BYTES // max(1, o * h * 4)))
+    ours: dict[str, list[float]] = {}
+    aten: dict[str, list[float]] = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for layout in ("W", "W^T"):
+            weights = [torch.full((o, h) if layout == "W" else (h, o), 0.5) for _ in range(copies)]
+            if layout == "W^T":
+                weights = [w.t() for w in weights]  # [O, H] with stride 1 along O
+            ours[layout], aten[layout] = [], []
+            for rows in ROWS:
+                x = torch.full((rows, h), 0.25)
+                best = {"ours": float("inf"), "aten": float("inf")}
+                # Both through the op, as the engine calls them: only the kernel behind it differs. Passes
+                # alternate, and each kernel keeps its best: a pass a neighbour disturbed loses.
+                for _ in range(PASSES):
+                    for kernel, mask in (("ours", (1 << MAX_ROWS) - 1), ("aten", 0)):
+                        _set_choice(o, h, layout == "W^T", threads, mask)
+                        torch.ops.inkling.linear(x, weights[0])  # warm: first touch, code paths
+                        best[kernel] = min(best[kernel], _per_call_us(lambda w: torch.ops.inkling.linear(x, w),
+                                                                      weights, calls))
+                ours[layout].append(best["ours"])
+                aten[layout].append(best["aten"])
+            del weights
+    finally:
+        torch.set_num_threads(before)
+    # The layout whose faster kernel does better over the row counts, each weighed by its best time.
+    score = {layout: sum(min(a, b) / min(min(ours[m][i], aten[m][i]) for m in ours)
+                         for i, (a, b) in enumerate(zip(ours[layout], aten[layout]))) for layout in ours}
+    return ShapeChoice(o, h, score["W^T"] < score["W"], ours, aten)
+
+
+class KernelChoices:
+    """The measured choices of this machine at one thread count, loaded from and saved to its file."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.key = machine_key(threads)
+        self.path = choices_path(self.key)
+        self.shapes: dict[tuple[int, int], ShapeChoice] = {}
+        self.measured: list[tuple[int, int]] = []  # shapes this process measured (not from the file)
+        self._lock = threading.Lock()
+        self._read()
+
+    def _read(self) -> None:
+        if not self.path.is_file():
+            return
+        try:
+            saved = msgspec.json.decode(self.path.read_bytes(), type=ChoiceFile)
+        except (msgspec.DecodeError, msgspec.ValidationError, OSError) as e:
+            log.warning("ignoring the kernel choice cache %s (it does not parse: %s); measuring again", self.path, e)
+            return
+        if saved.format != FORMAT or saved.key != self.key:
+            log.warning("ignoring the kernel choice cache %s: it was measured for another machine, build or thread "
+                        "count (%s); measuring again", self.path, saved.key)
+            return
+        good = [s for s in saved.shapes if all(len(t) == len(ROWS) for d in (s.ours_us, s.aten_us) for t in d.values())
+                and set(s.ours_us) == set(s.aten_us) == {"W", "W^T"}]
+        if len(good) != len(saved.shapes):
+            log.warning("ignoring %d malformed entries of the kernel choice cache %s", len(saved.shapes) - len(good),
+                        self.path)
+        self.shapes = {(s.out_features, s.in_features): s for s in good}
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        data = ChoiceFile(FORMAT, self.key, sorted(self.shapes.values(), key=lambda s: (s.out_features, s.in_features)))
+        scratch.write_bytes(msgspec.json.format(msgspec.json.encode(data)))
+        os.replace(scratch, self.path)  # another process reading at the same moment sees a whole file
+
+    def choice(self, o: int, h: int) -> ShapeChoice:
+        """The shape's choice, measured now (and saved) if this machine has none yet; the C++ kernels
+        learn it at once."""
+        with self._lock:
+            found = self.shapes.get((o, h))
+            if found is None:
+                if not self.measured:
+                    sys.stderr.write("inkling-compiled: timing the matmul kernels for this machine's weight shapes "
+                                     f"(once per machine and thread count; saved in {self.path})\n")
+                found = self.shapes[(o, h)] = measure_shape(o, h, self.threads)
+                self.measured.append((o, h))
+                self._write()
+            for layout in ("W", "W^T"):
+                _set_choice(o, h, layout == "W^T", self.threads, found.rows_mask(layout))
+            return found
+
+    def install(self) -> None:
+        """Tells the C++ kernels every choice this machine has (choice() does so shape by shape)."""
+        with self._lock:
+            for (o, h), found in self.shapes.items():
+                for layout in ("W", "W^T"):
+                    _set_choice(o, h, layout == "W^T", self.threads, found.rows_mask(layout))
+
+    def table(self) -> list[dict]:
+        """Per shape: the layout, and the row counts the C++ kernel serves (for reports)."""
+        return [{"weight": f"{s.out_features}x{s.in_features}", "layout": s.layout,
+                 "ours_rows": s.ours_rows(), "threads": self.threads}
+                for s in sorted(self.shapes.values(), key=lambda s: (s.out_features, s.in_features))]
+
+
+_choices: dict[int, KernelChoices] = {}
+_choices_lock = threading.Lock()
+
+
+def forget_installed() -> None:
+    """Clears the C++ kernels' table (every shape back to the default) and this process's choices."""
+    from .custom_ops.library import native_kernels
+
+    if native_kernels():
+        _library().inkling_clear_matmul_choices()
+    with _choices_lock:
+        _choices.clear()
+
+
+def for_this_machine(threads: int | None = None) -> KernelChoices | None:
+    """This process's choices at `threads` (default: torch's current count); None where nothing is to
+    choose: no C++ kernels, or INKLING_FEW_ROWS set."""
+    from .custom_ops.library import native_kernels
+
+    if os.environ.get("INKLING_FEW_ROWS") is not None or not native_kernels():
+        return None
+    threads = threads or torch.get_num_threads()
+    with _choices_lock:
+        if threads not in _choices:
+            _choices[threads] = KernelChoices(threads)
+        return _choices[threads]

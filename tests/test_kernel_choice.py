@@ -1,0 +1,141 @@
+"""Kernel choice by measurement: one cache file per machine key, measured once, rebuilt when the key
+changes, ignored (with a warning) when corrupted or another machine's; the choice reaches both the
+loader's layout and the C++ op's kernel."""
+
+import logging
+
+import msgspec
+import pytest
+import torch
+
+from inkling_compiled import kernel_choice
+from inkling_compiled.kernel_choice import ROWS, ChoiceFile, KernelChoices, ShapeChoice
+from inkling_compiled.loading import load_model
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    real_path = kernel_choice.choices_path  # the files in a folder of the test's (the C++ build stays shared)
+    monkeypatch.setattr(kernel_choice, "choices_path", lambda key: tmp_path / real_path(key).name)
+    monkeypatch.delenv("INKLING_FEW_ROWS", raising=False)
+    kernel_choice.forget_installed()
+    yield tmp_path
+    kernel_choice.forget_installed()  # forged choices must not outlive the test
+
+
+def _count_measurements(monkeypatch) -> list:
+    measured = []
+    real = kernel_choice.measure_shape
+
+    def counting(o, h, threads):
+        measured.append((o, h, threads))
+        return real(o, h, threads)
+
+    monkeypatch.setattr(kernel_choice, "measure_shape", counting)
+    return measured
+
+
+def _forged(o: int, h: int, *, column_major: bool, ours_wins: bool) -> ShapeChoice:
+    fast, slow = [1.0] * len(ROWS), [2.0] * len(ROWS)
+    ours, aten = (fast, slow) if ours_wins else (slow, fast)
+    return ShapeChoice(o, h, column_major, {"W": ours, "W^T": ours}, {"W": aten, "W^T": aten})
+
+
+def _write(choices: KernelChoices, shapes, key=None) -> None:
+    choices.path.parent.mkdir(parents=True, exist_ok=True)
+    choices.path.write_bytes(msgspec.json.encode(ChoiceFile(kernel_choice.FORMAT, key or choices.key, shapes)))
+
+
+def test_a_shape_is_measured_once_per_machine_and_read_back_after(monkeypatch):
+    measured = _count_measurements(monkeypatch)
+    first = KernelChoices(threads=1)
+    choice = first.choice(40, 24)
+    assert measured == [(40, 24, 1)] and first.path.is_file()
+    assert len(choice.ours_us["W"]) == len(ROWS) and all(t > 0 for t in choice.aten_us["W^T"])
+    first.choice(40, 24)
+    again = KernelChoices(threads=1)  # a new process on the same machine: read, not measured
+    assert again.choice(40, 24) == choice and measured == [(40, 24, 1)]
+
+
+def test_a_new_machine_key_measures_afresh(monkeypatch):
+    measured = _count_measurements(monkeypatch)
+    KernelChoices(threads=1).choice(40, 24)
+    other = KernelChoices(threads=2)  # another thread count is another key
+    assert other.path != KernelChoices(threads=1).path
+    other.choice(40, 24)
+    real_key = kernel_choice.machine_key
+    monkeypatch.setattr(kernel_choice, "machine_key", lambda threads: {**real_key(threads), "cpu": "another CPU"})
+    KernelChoices(threads=1).choice(40, 24)
+    assert measured == [(40, 24, 1), (40, 24, 2), (40, 24, 1)]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "foreign", "malformed"])
+def test_a_corrupted_or_foreign_cache_is_ignored_with_a_warning(damage, monkeypatch, caplog):
+    measured = _count_measurements(monkeypatch)
+    choices = KernelChoices(threads=1)
+    if damage == "garbage":
+        choices.path.parent.mkdir(parents=True, exist_ok=True)
+        choices.path.write_bytes(b'{"format": 1, "key": {"cpu": ')
+    elif damage == "foreign":
+        _write(choices, [_forged(40, 24, column_major=True, ours_wins=True)], key={**choices.key, "cpu": "elsewhere"})
+    else:  # times for too few row counts
+        bad = _forged(40, 24, column_major=True, ours_wins=True)
+        bad.ours_us["W"] = [1.0]
+        _write(choices, [bad])
+    with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
+        reread = KernelChoices(threads=1)
+    assert any("kernel choice cache" in r.getMessage() for r in caplog.records)
+    reread.choice(40, 24)
+    assert measured == [(40, 24, 1)]  # measured, not taken from the bad file
+    saved = msgspec.json.decode(reread.path.read_bytes(), type=ChoiceFile)  # and the file rewritten whole
+    assert saved.key == reread.key and [(s.out_features, s.in_features) for s in saved.shapes] == [(40, 24)]
+
+
+def _aten_ran(x, w) -> bool:
+    with torch.profiler.profile() as prof:
+        torch.ops.inkling.linear(x, w)
+    return any(e.name in ("aten::mm", "aten::addmm", "aten::matmul") for e in prof.events())
+
+
+def test_the_op_runs_the_kernel_the_choice_names():
+    choices = KernelChoices(threads=torch.get_num_threads())
+    w, x = torch.randn(72, 24), torch.randn(3, 24)
+    for ours_wins in (True, False):
+        _write(choices, [_forged(72, 24, column_major=False, ours_wins=ours_wins)])
+        KernelChoices(threads=torch.get_num_threads()).choice(72, 24)
+        assert _aten_ran(x, w) == (not ours_wins)
+        assert torch.allclose(torch.ops.inkling.linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5)
+
+
+def test_rows_between_measured_counts_take_the_next_one_up():
+    choice = ShapeChoice(8, 8, False, {"W": [1, 1, 9, 1, 9, 9], "W^T": [9] * 6}, {"W": [5] * 6, "W^T": [5] * 6})
+    assert choice.ours_rows() == [1, 2, 8]
+    mask = choice.rows_mask("W")
+    assert [r for r in range(1, 65) if mask >> (r - 1) & 1] == [1, 2, 5, 6, 7, 8]
+    assert choice.rows_mask("W^T") == 0
+
+
+def test_the_loader_stores_each_weight_in_the_layout_measured_for_its_shape(checkpoint):
+    path = checkpoint("tiny")
+    choices = kernel_choice.for_this_machine()
+    # Flip every measured layout of the tiny model: the loader must follow the file, not the shape rule.
+    load_model(path)
+    flipped = [ShapeChoice(s.out_features, s.in_features, not s.column_major, s.ours_us, s.aten_us)
+               for s in choices.shapes.values()]
+    _write(choices, flipped)
+    kernel_choice.forget_installed()
+    model, _ = load_model(path)
+    layouts = {(s.out_features, s.in_features): s.column_major for s in flipped}
+    checked = 0
+    for name, p in model.named_parameters():
+        key = tuple(p.shape[-2:])
+        if kernel_choice_shape(name, p) and key in layouts:
+            assert (p.stride(-2) == 1) == layouts[key], name
+            checked += 1
+    assert checked >= 8
+
+
+def kernel_choice_shape(name, p) -> bool:
+    from inkling_compiled.loading import is_matmul_weight
+
+    return is_matmul_weight(name, tuple(p.shape))

@@ -1,0 +1,113 @@
+"""The C++ kernels on ATen's intra-op pool: the same result at 1, 2 and 3 threads, bit for bit, and
+their references' result. Shapes are odd and large enough that every kernel splits its work (the
+pool stays idle below a task's worth of work), so that uneven splits show; state a kernel mutates is
+compared too. Engines at more than one thread keep their parity and their graph census."""
+
+import pytest
+import torch
+
+from inkling_compiled.custom_ops.library import KERNELS, native_kernels
+from inkling_compiled.engine import Engine
+from inkling_compiled.graphs import GraphRecorder, census
+from inkling_compiled.sampling import SamplingParams
+
+from conftest import random_prompt
+
+THREADS = (1, 2, 3)
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _cases():
+    g = torch.Generator().manual_seed(11)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    for layout in ("W", "W^T"):
+        w = r(1030, 333) if layout == "W" else _column_major(r(1030, 333))
+        for rows in (1, 3, 5, 16):
+            yield f"linear {layout} rows={rows}", "linear", (r(rows, 333), w), ()
+    for layout in ("W", "W^T"):
+        gate_up, down = r(7, 300, 200) / 14, r(7, 200, 150) / 12  # unit-scale activations
+        if layout == "W^T":
+            gate_up, down = _column_major(gate_up), _column_major(down)
+        ids = torch.stack([torch.randperm(7, generator=g)[:2] for _ in range(9)])
+        yield f"moe_experts {layout}", "moe_experts", (r(9, 200), ids, torch.rand(9, 2, generator=g), gate_up, down), ()
+    block_table = torch.arange(3 * 80, dtype=torch.int32).reshape(3, 80)
+    for dtype in (torch.float32, torch.bfloat16):
+        yield f"paged_attention {dtype}", "paged_attention", (
+            r(3, 8, 64).to(dtype), r(960, 2, 64).to(dtype), r(960, 2, 64).to(dtype), r(3, 8, 20).to(dtype),
+            torch.rand(3, generator=g) + 1, block_table, torch.tensor([2, 0, 1], dtype=torch.int32),
+            torch.tensor([301, 257, 290], dtype=torch.int32), 4, 20), ()
+    yield "ring_attention", "ring_attention", (
+        r(3, 8, 64), r(3 * 211, 2, 64), r(3 * 211, 2, 64), r(3, 8, 20), torch.tensor([250, 400, 100]),
+        torch.tensor([1, 2, 0], dtype=torch.int32), 200, 20, 211), ()
+    pool = r(6, 3, 5000)
+    yield "sconv_decode", "sconv_decode", (r(4, 5000), pool, r(5000, 4), torch.tensor([5, 0, 3, 1], dtype=torch.int32)), (1,)
+    yield "sconv_extend", "sconv_extend", (
+        r(40, 3000), r(6, 3, 3000), r(3000, 4), torch.tensor([0, 17, 40], dtype=torch.int32),
+        torch.tensor([True, False]), torch.tensor([4, 2], dtype=torch.int32)), (1,)
+    yield "sconv_verify", "sconv_verify", (
+        r(18, 2000), r(7, 3, 2000), r(2000, 4), torch.tensor([6, 0, 2, 5, 1, 3], dtype=torch.int32),
+        torch.zeros(6, 3, 3, 2000)), (4,)
+    yield "top_k_top_p", "top_k_top_p", (
+        r(6, 5000) * 3, torch.tensor([0, 40, 0, 1, 5000, 7]), torch.tensor([1.0, 1.0, 0.7, 1.0, 0.2, 0.9])), ()
+
+
+CASES = list(_cases())
+
+
+def _run(op: str, args: tuple, mutated: tuple, threads: int):
+    torch.set_num_threads(threads)
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    out = getattr(torch.ops.inkling, op).default(*args)
+    return [out] + [args[i] for i in mutated]
+
+
+@pytest.mark.parametrize("name, op, args, mutated", CASES, ids=[c[0] for c in CASES])
+def test_every_kernel_gives_the_same_bits_at_any_thread_count(name, op, args, mutated):
+    assert native_kernels()
+    base = _run(op, args, mutated, 1)
+    for threads in THREADS[1:]:
+        for got, want in zip(_run(op, args, mutated, threads), base):
+            assert torch.equal(got, want), f"{name}: {threads} threads differ from one"
+    # ... and the result is the reference's (an independent plain-torch definition)
+    torch.set_num_threads(1)
+    ref_args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    want = [KERNELS[op]["reference"](*ref_args)] + [ref_args[i] for i in mutated]
+    tol = 2e-2 if base[0].dtype == torch.bfloat16 else 1e-4
+    for got, ref in zip(base, want):
+        assert torch.equal(got.isinf(), ref.isinf())
+        assert torch.allclose(got.float().nan_to_num(neginf=0.0), ref.float().nan_to_num(neginf=0.0), atol=tol, rtol=tol)
+
+
+def test_a_compiled_engine_at_two_threads_keeps_its_census_and_its_tokens(checkpoint):
+    """The whole decode step compiled at two threads: one symbolic graph, no breaks, every conv stream
+    an op, and the tokens and logprobs of the eager engine at one thread."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    prompts = [random_prompt(n, seed=70 + n) for n in (5, 19, 33)]
+    params = SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True)
+    torch.set_num_threads(1)
+    want = Engine.from_pretrained(checkpoint("tiny"), compile=False, progress=False).generate(prompts, params)
+    torch.set_num_threads(2)
+    recorder = GraphRecorder("inductor")
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=True, progress=False, max_batch_size=4,
+                                    compile_backend=recorder)
+    got = engine.generate(prompts, params)
+    assert len(recorder.graphs) == 1 and not torch._dynamo.utils.counters["graph_break"]
+    assert census(recorder.graphs[0])["sconv_calls"] == 4 * engine.config.num_hidden_layers
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
+    torch._dynamo.reset()
