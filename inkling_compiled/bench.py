@@ -71,10 +71,17 @@ def bench_transformers(hf_model, prompts: list[list[int]], new_tokens: int) -> d
 
 
 def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_tokens: int,
-              engines: list[str], log=print) -> dict:
-    torch.set_num_threads(1)
+              engines: list[str], log=print, threads: int = 1) -> dict:
+    """Every engine (and transformers) at `threads` intra-op threads; each engine's step also as a
+    fraction of the floor (roofline.py) measured in this run at the same count."""
+    from .roofline import measure_machine, step_cost
+
+    machine = measure_machine(threads)
+    torch.set_num_threads(threads)
     results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": []}
+               "threads": torch.get_num_threads(), "prompt_len": prompt_len, "new_tokens": new_tokens,
+               "rates": machine, "runs": []}
+    rate, matmul = machine["bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
     with tempfile.TemporaryDirectory() as tmp:
         for name in configs:
             path = build_tiny_checkpoint(Path(tmp) / name, name)
@@ -97,6 +104,9 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
                 row = {"config": name, "batch": batch}
                 for kind, engine in ours.items():
                     row[kind] = bench_engine(engine, prompts, new_tokens)
+                    cost = step_cost(engine.model, engine.worker.pool, batch, batch, prompt_len + new_tokens // 2)
+                    floor_ms = 1e3 * max(cost["bytes"] / rate, cost["flops"] / matmul)
+                    row[kind]["of_floor"] = floor_ms / row[kind]["step_ms"]
                 if hf is not None:
                     row["transformers"] = bench_transformers(hf, prompts, new_tokens)
                 results["runs"].append(row)
@@ -108,7 +118,8 @@ def format_row(row: dict, engines: list[str]) -> str:
     cells = [f"{row['config']:>8} bs={row['batch']:<3}"]
     for kind in engines:
         if kind in row:
-            cells.append(f"{kind} {row[kind]['tok_s']:8.1f} tok/s ({row[kind]['step_ms']:6.2f} ms/step)")
+            floor = f", {row[kind]['of_floor']:.2f} of floor" if "of_floor" in row[kind] else ""
+            cells.append(f"{kind} {row[kind]['tok_s']:8.1f} tok/s ({row[kind]['step_ms']:6.2f} ms/step{floor})")
     if "transformers" in row:
         base = row["transformers"]["tok_s"]
         cells += [f"{kind}/transformers {row[kind]['tok_s'] / base:5.2f}x" for kind in engines
@@ -118,16 +129,20 @@ def format_row(row: dict, engines: list[str]) -> str:
 
 def markdown_table(results: dict, engines: list[str]) -> str:
     ours = [e for e in engines if e != "transformers"]
-    head = ["config", "batch"] + [f"{e} tok/s" for e in engines]
+    head = ["config", "batch"] + [f"{e} tok/s" for e in engines] + [f"{e} / floor" for e in ours]
     if "transformers" in engines:
         head += [f"{e} / transformers" for e in ours]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["runs"]:
         cells = [row["config"], str(row["batch"])] + [f"{row[e]['tok_s']:.1f}" for e in engines]
+        cells += [f"{row[e]['of_floor']:.2f}" for e in ours]
         if "transformers" in engines:
             cells += [f"{row[e]['tok_s'] / row['transformers']['tok_s']:.2f}x" for e in ours]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rates = results.get("rates")
+    machine = (f"{results['threads']} thread(s); floor at {rates['bandwidth_gb_s']:.1f} GB/s and "
+               f"{rates['matmul_gflop_s']:.1f} GFLOP/s, measured in this run\n\n") if rates else ""
+    return machine + "\n".join(lines)
 
 
 # ---- speculative decoding ----------------------------------------------------------------------------
@@ -267,7 +282,8 @@ def plot(results: dict, engines: list[str], path: str | Path) -> bool:
         ax.set_yscale("log")
         ax.set_xlabel("batch")
         ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"{config} (prompt {results['prompt_len']}, {results['new_tokens']} new, 1 thread)")
+        ax.set_title(f"{config} (prompt {results['prompt_len']}, {results['new_tokens']} new, "
+                     f"{results['threads']} thread(s))")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -79,7 +79,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
     from .tiny import embedded_checkpoint
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(engine_threads(args))
     path = args.model or embedded_checkpoint()
     engine = Engine.from_pretrained(path, **_engine_args(args))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -116,7 +116,7 @@ def _generate(args: argparse.Namespace) -> int:
             return 2
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)  # checked before loading
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(engine_threads(args))
     # Compile only the graph this batch starts in; a smaller bucket (requests finishing early) compiles
     # on first use.
     engine = Engine.from_pretrained(args.model, warmup=False, progress=not args.quiet, **_engine_args(args))
@@ -144,7 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.tensor_parallel_size:
         return _bench_parallel(args)
     engines = args.engines
-    results = run_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, engines)
+    results = run_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, engines, threads=args.threads)
     print(markdown_table(results, engines))
     if args.compile_times:
         results["compile_times"] = {c: compile_times(c, max(args.batches)) for c in args.compile_times}
@@ -222,12 +222,12 @@ def _serve(args: argparse.Namespace) -> int:
     with sock:
         if args.engine_process:  # the engine steps in a process of its own; HTTP keeps this one
             try:
-                engine = EngineProcess(args.model, options, max_waiting=args.max_waiting, threads=args.threads)
+                engine = EngineProcess(args.model, options, max_waiting=args.max_waiting, threads=engine_threads(args))
             except RuntimeError as e:  # it died while starting (its own traceback is above)
                 print(f"error: {e}", file=sys.stderr)
                 return 2
         else:
-            torch.set_num_threads(args.threads)
+            torch.set_num_threads(engine_threads(args))
             engine = Engine.from_pretrained(args.model, **options)
         try:
             server = ApiServer(engine, sock=sock, model_name=name, max_waiting=args.max_waiting,
@@ -274,7 +274,7 @@ def _dump_graphs(args: argparse.Namespace) -> int:
     if not args.model or not args.out:
         print("error: dump-graphs needs --model and --out (or --diff A B)", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(engine_threads(args))
     summary = dump_graphs(args.model, args.out, buckets=tuple(args.buckets) if args.buckets else None,
                           backend=args.backend, device=args.device)
     print((Path(args.out) / "summary.md").read_text(), end="")
@@ -293,7 +293,7 @@ def _profile(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.nsys:
         return run_nsys(sys.argv[1:] if args.argv is None else args.argv, out)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(engine_threads(args))
     out.mkdir(parents=True, exist_ok=True)  # an unwritable folder fails now, not after building the engine
     engine = Engine.from_pretrained(args.model, **_engine_args(args))
     summary = profile(engine, out, batch=args.batch, steps=args.steps)
@@ -310,10 +310,24 @@ def _roofline(args: argparse.Namespace) -> int:
 
     from .roofline import roofline, roofline_table
 
-    torch.set_num_threads(1)
-    rows = [r for c in args.configs for r in roofline(c, args.batches, context=args.context)]
-    print(roofline_table(rows), end="")
+    threads = args.threads or sorted({1, torch.get_num_threads()})  # one thread and torch's default (all cores)
+    machines, rows = [], []
+    for config in args.configs:
+        m, r = roofline(config, args.batches, context=args.context, threads=threads, kinds=tuple(args.steps),
+                        extend_tokens=args.extend_tokens)
+        machines, rows = machines + m, rows + r
+    print(roofline_table(machines, rows), end="")
     return 0
+
+
+def engine_threads(args: argparse.Namespace) -> int:
+    """--threads, else torch's default (every core; OMP_NUM_THREADS if set) shared among the ranks of a
+    tensor-parallel run on this machine. The engine pins the count it is built under."""
+    import torch
+
+    if getattr(args, "threads", None):
+        return args.threads
+    return max(1, torch.get_num_threads() // max(1, getattr(args, "tensor_parallel_size", 1) or 1))
 
 
 class Parser(argparse.ArgumentParser):
@@ -387,7 +401,8 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
                    help="prompt tokens prefilled per step, all requests together (longer prompts take several)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the cached state of prompt prefixes other requests had (--no-prefix-cache: off)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (per rank)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads per rank (default: torch's, every core, shared among the ranks)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="ranks the model is sharded over: worker processes on this machine, or the ranks of a "
                         "torchrun launch")
@@ -434,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per request")
     bench.add_argument("--engines", nargs="+", default=["compiled", "eager", "transformers"],
                        choices=["compiled", "eager", "transformers"], help="what to measure")
+    bench.add_argument("--threads", type=positive_int, default=1,
+                       help="intra-op threads for every engine and transformers alike")
     bench.add_argument("--json", default="bench-decode.json", help="results file")
     bench.add_argument("--png", default="bench-decode.png", help="plot (needs matplotlib: the [bench] extra)")
     bench.add_argument("--compile-times", nargs="*", default=[], metavar="CONFIG",
@@ -450,13 +467,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--speculative: tokens of the copied span already in the prompt (covering the "
                             "sliding layers' receptive field makes the continuation a copy)")
     bench.set_defaults(run=_bench)
-    roof = sub.add_parser("roofline", help="this machine's bandwidth and matmul rate, each batch's floor, and "
-                                           "how close the compiled decode step gets")
+    roof = sub.add_parser("roofline", help="this machine's bandwidth and matmul rate per thread count, each step "
+                                           "kind's floor, and how close the compiled engine gets")
     roof.add_argument("--configs", nargs="+", default=["small"], choices=sorted(TINY_CONFIGS),
                       help="tiny checkpoint configs to run")
     roof.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32], help="batch sizes")
     roof.add_argument("--context", type=positive_int, default=128,
                       help="tokens in each sequence's cache (prompt = context - 64, then 64 new tokens)")
+    roof.add_argument("--threads", type=positive_int, nargs="+", default=None,
+                      help="intra-op thread counts to measure at (default: 1 and torch's default, all cores)")
+    roof.add_argument("--steps", nargs="+", default=["decode", "verify", "extend"],
+                      choices=["decode", "verify", "extend"], help="step kinds to time against their floor")
+    roof.add_argument("--extend-tokens", type=positive_int, default=256, help="tokens of the timed prefill chunk")
     roof.set_defaults(run=_roofline)
     dump = sub.add_parser("dump-graphs", help="write each bucket's graphs, code, guards and op census as text")
     dump.add_argument("--model", help="checkpoint folder")
@@ -466,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--backend", default="inductor", choices=["inductor", "eager", "aot_eager"],
                       help="compile backend to record")
     dump.add_argument("--device", default="cpu", help="cpu or cuda")
-    dump.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
+    dump.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's, every core)")
     dump.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two dump folders instead")
     dump.set_defaults(run=_dump_graphs)
 

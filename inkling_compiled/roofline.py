@@ -1,17 +1,24 @@
-"""How far the compiled decode step is from this machine's limits: `inkling-compiled roofline`.
+"""How far the compiled engine's steps are from this machine's limits: `inkling-compiled roofline`.
 
-Measures the machine once (weight-streaming bandwidth: the best of a few one-thread sums over a buffer
-far larger than the caches; matmul throughput: a large fp32 GEMM), then for each batch works out what
-a decode step of the config cannot avoid:
+For each thread count it measures the machine at that count:
 
-- bytes: every weight the step multiplies by (attention, convs, dense MLPs, shared experts, router,
-  lm_head), the embedding rows of the batch, the routed experts the batch reaches (E * (1 - (1 - k/E)^B)
-  per MoE layer: the expected number under uniform routing), and the conv windows and KV the rows read
-  at the given context length;
-- FLOPs: two per multiply-add of every token with the weights it uses (its k experts, not all E).
+- the rate at which weights can be read: the best of a copy (bytes read and written), a sum and
+  ATen's one-row GEMV, each over a buffer far larger than the caches;
+- the fp32 matmul rate: a large GEMM;
 
-The floor is max(bytes / bandwidth, FLOPs / matmul rate); achieved / floor is how close the engine's
-measured decode step gets (1.0 = at the hardware limit). Nothing here asserts a speed.
+then, for each step kind, works out what one step of the config cannot avoid, and times the engine's:
+
+- decode: `batch` rows, one token each;
+- verify: `batch` rows of 1 + num_speculative_tokens tokens (a drafter whose drafts are all accepted);
+- extend: one prefill chunk of `extend_tokens` tokens.
+
+A step must read every weight it multiplies by (attention, convs, dense MLPs, shared experts, router,
+lm_head), the embedding rows of its tokens, the routed experts its tokens reach (E * (1 - (1 - k/E)^T)
+per MoE layer for T tokens: the expected number under uniform routing), and the conv windows and KV its
+rows read at the given context; it must do two FLOPs per multiply-add of every token with the weights
+it uses (its k experts, not all E). The floor is max(bytes / rate, FLOPs / matmul rate), and
+floor / measured is how close the engine gets (1.0 = at the hardware's limit). Nothing here asserts a
+speed.
 """
 
 from __future__ import annotations
@@ -20,95 +27,178 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from .cache.pool import each_layer
 
-STREAM_BYTES = 512 * 2**20  # far past the last-level cache
+STREAM_BYTES = 512 * 2**20  # far past the last-level cache of the machines we measure on
+GEMV_SHAPE = (32768, 2048)  # a 256 MB weight
 GEMM_SIZE = 1024
+REPEATS = 5
+STEP_KINDS = ("decode", "verify", "extend")
 
 
-def measure_bandwidth(repeats: int = 5) -> float:
-    """Bytes per second one thread reads from memory (best of `repeats` sums over a large buffer)."""
-    buf = torch.ones(STREAM_BYTES // 4, dtype=torch.float32)
+def _best_seconds(fn, repeats: int = REPEATS) -> float:
+    fn()
     best = float("inf")
-    for _ in range(repeats + 1):
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        buf.sum()
+        fn()
         best = min(best, time.perf_counter() - t0)
-    return STREAM_BYTES / best
+    return best
 
 
-def measure_matmul(repeats: int = 5) -> float:
-    """fp32 FLOP/s of a large square GEMM (the best of `repeats`)."""
-    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * GEMM_SIZE**3 / best
+def measure_machine(threads: int) -> dict:
+    """Bytes/s by copy, sum and GEMV, the best of them (the floor's rate), and the fp32 GEMM FLOP/s, all
+    at `threads` intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(STREAM_BYTES // 4)
+        dst = torch.empty_like(src)
+        copy = 2 * STREAM_BYTES / _best_seconds(lambda: dst.copy_(src))
+        reduce = STREAM_BYTES / _best_seconds(src.sum)
+        del src, dst
+        w, x = torch.full(GEMV_SHAPE, 0.5), torch.full((1, GEMV_SHAPE[1]), 0.25)
+        gemv = w.numel() * 4 / _best_seconds(lambda: F.linear(x, w))
+        del w
+        a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
+        matmul = 2 * GEMM_SIZE**3 / _best_seconds(lambda: torch.mm(a, b))
+    finally:
+        torch.set_num_threads(before)
+    return {"threads": threads, "copy_gb_s": copy / 1e9, "reduce_gb_s": reduce / 1e9, "gemv_gb_s": gemv / 1e9,
+            "bandwidth_gb_s": max(copy, reduce, gemv) / 1e9, "matmul_gflop_s": matmul / 1e9}
 
 
-def step_cost(model, pool, batch: int, context: int) -> dict:
-    """The bytes a decode step of `batch` rows at `context` tokens must read, and the FLOPs it must do."""
+def step_cost(model, pool, tokens: int, rows: int, context: int) -> dict:
+    """The bytes a step of `tokens` tokens over `rows` sequences at `context` tokens must read, and the
+    FLOPs it must do (decode: tokens = rows)."""
     config = model.config
     experts, top_k = config.n_routed_experts, config.num_experts_per_tok
-    reached = experts * (1 - (1 - top_k / experts) ** batch) if experts else 0.0
+    reached = experts * (1 - (1 - top_k / experts) ** tokens) if experts else 0.0
     weight_bytes = flops_per_token = 0.0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
         if "embed_tokens" in name:
-            weight_bytes += batch * p.shape[-1] * p.element_size()  # one row per token
-        elif ".experts." in name:  # a routed bank [E, ...]: the experts the batch reaches
+            weight_bytes += tokens * p.shape[-1] * p.element_size()  # one row per token
+        elif ".experts." in name:  # a routed bank [E, ...]: the experts the tokens reach
             weight_bytes += nbytes / experts * reached
             flops_per_token += 2 * p.numel() / experts * top_k
-        else:
+        elif ".mtp." not in name:  # the MTP head is not part of these steps
             weight_bytes += nbytes
             if p.dim() >= 2:
                 flops_per_token += 2 * p.numel()
     per_row_state = sum(2 * t[0].numel() * t.element_size() for t in each_layer(pool.conv.values()))  # r + w
     kv_rows = sum(min(context, pool.ring_size) * t[0].numel() * t.element_size() for t in each_layer(pool.sliding_kv))
     kv_rows += sum(context * t[0].numel() * t.element_size() for t in each_layer(pool.global_kv))
-    return {"bytes": weight_bytes + batch * (per_row_state + kv_rows), "flops": batch * flops_per_token,
+    return {"bytes": weight_bytes + rows * (per_row_state + kv_rows), "flops": tokens * flops_per_token,
             "experts_reached": reached}
 
 
-def roofline(config_name: str, batches: list[int], context: int = 128, new_tokens: int = 64) -> list[dict]:
-    """Per batch: floor and achieved decode tokens/s of the compiled engine on a seeded checkpoint."""
+def _time_extend(engine, tokens: int) -> float:
+    """Median seconds of one prefill step of a `tokens`-token prompt (the whole chunk in one step)."""
+    from .bench import _prompts
+    from .sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    times = []
+    for seed in range(4):
+        engine.add_request(_prompts(1, tokens, seed=seed)[0], params)
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
+    return statistics.median(times[1:])  # the first also warms the extend path
+
+
+def roofline(config_name: str, batches: list[int], context: int = 128, new_tokens: int = 64,
+             threads: list[int] | None = None, kinds: tuple[str, ...] = STEP_KINDS, extend_tokens: int = 256,
+             speculative_tokens: int = 2) -> tuple[list[dict], list[dict]]:
+    """(machine rows, step rows): per thread count the machine's rates, and per step kind and batch the
+    floor and the compiled engine's measured step on a seeded checkpoint."""
     import tempfile
     from pathlib import Path
 
-    from .bench import _prompts, bench_engine
+    from .bench import ReplayDrafter, _prompts, bench_engine
     from .engine import Engine
+    from .sampling import SamplingParams
     from .tiny import build_tiny_checkpoint
 
-    bandwidth, matmul = measure_bandwidth(), measure_matmul()
-    rows = []
+    threads = threads or sorted({1, torch.get_num_threads()})
+    machines, rows = [], []
+    before = torch.get_num_threads()
+    prompt_len = max(1, context - new_tokens)
+    mean_context = prompt_len + new_tokens // 2
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(Path(tmp) / config_name, config_name)
-        prompt_len = max(1, context - new_tokens)
-        engine = Engine.from_pretrained(path, max_batch_size=max(batches), progress=False,
-                                        prefill_chunk_tokens=max(batches) * prompt_len)
-        for batch in batches:
-            cost = step_cost(engine.model, engine.worker.pool, batch, prompt_len + new_tokens // 2)  # mean context
-            floor_s = max(cost["bytes"] / bandwidth, cost["flops"] / matmul)
-            achieved = bench_engine(engine, _prompts(batch, prompt_len, seed=batch), new_tokens)
-            rows.append({"config": config_name, "batch": batch, "bound": "memory" if cost["bytes"] / bandwidth >=
-                         cost["flops"] / matmul else "compute", "mbytes_per_step": cost["bytes"] / 1e6,
-                         "mflop_per_step": cost["flops"] / 1e6, "experts_reached": cost["experts_reached"],
-                         "floor_step_ms": 1e3 * floor_s, "step_ms": achieved["step_ms"],
-                         "floor_tok_s": batch / floor_s, "tok_s": achieved["tok_s"],
-                         "of_floor": floor_s * 1e3 / achieved["step_ms"],
-                         "bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": matmul / 1e9})
-    return rows
+        for count in threads:
+            machine = measure_machine(count)
+            machines.append(machine)
+            rate, matmul = machine["bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
+            torch.set_num_threads(count)  # engines pin the count they are built under
+            common = dict(max_batch_size=max(batches), progress=False,
+                          max_model_len=max(context, extend_tokens) + speculative_tokens + 2,
+                          prefill_chunk_tokens=max(max(batches) * prompt_len, extend_tokens))
+            plain = Engine.from_pretrained(path, **common)
+            measured: list[tuple[str, int, dict, float]] = []  # (kind, batch, cost, seconds per step)
+            for batch in batches:
+                prompts = _prompts(batch, prompt_len, seed=batch)
+                if "decode" in kinds:
+                    step_ms = bench_engine(plain, prompts, new_tokens)["step_ms"]
+                    cost = step_cost(plain.model, plain.worker.pool, batch, batch, mean_context)
+                    measured.append(("decode", batch, cost, step_ms / 1e3))
+            if "verify" in kinds:
+                greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+                workloads = {b: _prompts(b, prompt_len, seed=b) for b in batches}
+                replay = {tuple(p): o.token_ids for ps in workloads.values() for p, o in zip(ps, plain.generate(ps, greedy))}
+                spec = Engine.from_pretrained(path, speculative=ReplayDrafter(replay),
+                                              num_speculative_tokens=speculative_tokens, **common)
+                for batch, prompts in workloads.items():
+                    step_ms = bench_engine(spec, prompts, new_tokens)["step_ms"]
+                    tokens = batch * (speculative_tokens + 1)
+                    cost = step_cost(spec.model, spec.worker.pool, tokens, batch, mean_context)
+                    measured.append(("verify", batch, cost, step_ms / 1e3))
+                del spec
+            if "extend" in kinds:
+                cost = step_cost(plain.model, plain.worker.pool, extend_tokens, 1, extend_tokens // 2)
+                measured.append(("extend", 1, cost, _time_extend(plain, extend_tokens)))
+            del plain
+            for kind, batch, cost, seconds in measured:
+                floor_s = max(cost["bytes"] / rate, cost["flops"] / matmul)
+                rows.append({"config": config_name, "threads": count, "step": kind, "batch": batch,
+                             "bound": "memory" if cost["bytes"] / rate >= cost["flops"] / matmul else "compute",
+                             "mbytes_per_step": cost["bytes"] / 1e6, "mflop_per_step": cost["flops"] / 1e6,
+                             "experts_reached": cost["experts_reached"], "floor_step_ms": 1e3 * floor_s,
+                             "step_ms": 1e3 * seconds, "of_floor": floor_s / seconds,
+                             "bandwidth_gb_s": machine["bandwidth_gb_s"], "matmul_gflop_s": machine["matmul_gflop_s"]})
+    torch.set_num_threads(before)
+    return machines, rows
 
 
-def roofline_table(rows: list[dict]) -> str:
-    head = (f"machine: {statistics.fmean(r['bandwidth_gb_s'] for r in rows):.1f} GB/s weight streaming, "
-            f"{statistics.fmean(r['matmul_gflop_s'] for r in rows):.1f} GFLOP/s fp32 matmul (one thread)\n\n"
-            "| config | batch | bound | MB/step | MFLOP/step | experts reached | floor ms/step | ms/step | "
-            "floor tok/s | tok/s | achieved / floor |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
-    return head + "\n".join(
-        f"| {r['config']} | {r['batch']} | {r['bound']} | {r['mbytes_per_step']:.1f} | {r['mflop_per_step']:.1f} | "
-        f"{r['experts_reached']:.1f} | {r['floor_step_ms']:.2f} | {r['step_ms']:.2f} | {r['floor_tok_s']:.1f} | "
-        f"{r['tok_s']:.1f} | {r['of_floor']:.2f} |" for r in rows) + "\n"
+def roofline_table(machines: list[dict], rows: list[dict]) -> str:
+    lines = [f"machine at {m['threads']} thread(s): {m['bandwidth_gb_s']:.1f} GB/s weight streaming (best of copy "
+             f"{m['copy_gb_s']:.1f}, sum {m['reduce_gb_s']:.1f}, GEMV {m['gemv_gb_s']:.1f}), "
+             f"{m['matmul_gflop_s']:.1f} GFLOP/s fp32 matmul" for m in machines]
+    head = ("| config | threads | step | batch | bound | MB/step | MFLOP/step | experts reached | floor ms/step | "
+            "ms/step | achieved / floor |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    body = "\n".join(
+        f"| {r['config']} | {r['threads']} | {r['step']} | {r['batch']} | {r['bound']} | {r['mbytes_per_step']:.1f} | "
+        f"{r['mflop_per_step']:.1f} | {r['experts_reached']:.1f} | {r['floor_step_ms']:.2f} | {r['step_ms']:.2f} | "
+        f"{r['of_floor']:.2f} |" for r in rows)
+    speedup = _thread_speedups(rows)
+    return "\n".join(lines) + "\n\n" + head + body + "\n" + (("\n" + speedup + "\n") if speedup else "")
+
+
+def _thread_speedups(rows: list[dict]) -> str:
+    """Per (config, step, batch): the step at the most threads against one thread."""
+    by_key: dict[tuple, dict[int, float]] = {}
+    for r in rows:
+        by_key.setdefault((r["config"], r["step"], r["batch"]), {})[r["threads"]] = r["step_ms"]
+    parts = []
+    for (config, step, batch), ms in by_key.items():
+        most = max(ms)
+        if 1 in ms and most > 1:
+            parts.append(f"{config} {step} batch {batch}: {ms[1] / ms[most]:.2f}x")
+    return (f"{max(r['threads'] for r in rows)} threads against one: " + "; ".join(parts)) if parts else ""
+

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -33,8 +34,9 @@ def test_bench_writes_json_with_ratios(tmp_path, capsys):
     runs = json.loads(out.read_text())["runs"]
     assert [r["batch"] for r in runs] == [1, 2]
     assert all(r["eager"]["tok_s"] > 0 and r["transformers"]["tok_s"] > 0 for r in runs)
+    assert all(0 < r["eager"]["of_floor"] < 1.5 for r in runs)  # a fraction of the floor measured in the run
     printed = capsys.readouterr().out
-    assert "eager / transformers" in printed
+    assert "eager / transformers" in printed and "eager / floor" in printed and "1 thread(s); floor at" in printed
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.is_file() and png.stat().st_size > 0
     else:
@@ -157,13 +159,24 @@ def test_stage_log_draws_in_place_on_a_terminal_and_writes_lines_elsewhere():
     assert quiet.getvalue() == ""
 
 
-def test_roofline_prints_the_machine_and_each_batch_against_its_floor(capsys):
-    assert main(["roofline", "--configs", "tiny", "--batches", "1", "2", "--context", "72"]) == 0
+def test_roofline_prints_the_machine_and_each_step_kind_against_its_floor(capsys):
+    assert main(["roofline", "--configs", "tiny", "--batches", "1", "2", "--context", "72", "--threads", "1",
+                 "--extend-tokens", "64"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("machine: ") and "GB/s weight streaming" in out
+    machine = out.splitlines()[0]
+    assert machine.startswith("machine at 1 thread(s): ") and "GB/s weight streaming" in machine
+    rates = [float(v) for v in re.findall(r"(?:copy|sum|GEMV) ([0-9.]+)", machine)]
+    best = float(re.search(r": ([0-9.]+) GB/s", machine).group(1))
+    assert len(rates) == 3 and best == pytest.approx(max(rates), abs=0.051)  # the floor's rate is the best of three
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| tiny |")]
-    assert [int(r[1]) for r in rows] == [1, 2]
+    assert [(r[2].strip(), int(r[3])) for r in rows] == [("decode", 1), ("decode", 2), ("verify", 1), ("verify", 2),
+                                                         ("extend", 1)]
+    decode_mb = {int(r[3]): float(r[5]) for r in rows if r[2].strip() == "decode"}
+    verify_mflop = {int(r[3]): float(r[6]) for r in rows if r[2].strip() == "verify"}
+    decode_mflop = {int(r[3]): float(r[6]) for r in rows if r[2].strip() == "decode"}
+    assert decode_mb[2] > decode_mb[1]  # a second row reaches more experts
+    assert verify_mflop[1] == pytest.approx(3 * decode_mflop[1], rel=0.02)  # 1 + 2 speculative tokens per row
     for r in rows:
-        mbytes, floor_ms, ms, ratio = float(r[3]), float(r[6]), float(r[7]), float(r[10])
+        mbytes, floor_ms, ms, ratio = float(r[5]), float(r[8]), float(r[9]), float(r[10])
         assert mbytes > 0 and floor_ms > 0 and ms > 0
         assert ratio == pytest.approx(floor_ms / ms, rel=0.05, abs=0.015)  # all three printed rounded
