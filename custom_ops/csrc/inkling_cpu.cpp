@@ -874,6 +874,19 @@ bool few_rows_serves(int64_t O, int64_t H, bool column_major, int64_t n) {
   return (found->second >> (n - 1)) & 1u;
 }
 
+// The routed experts' working buffers, one set per calling thread, kept between calls: a decode step
+// allocates none of them once warm.
+struct MoeScratch {
+  std::vector<std::vector<int64_t>> rows, slots, token_pairs;
+  std::vector<int64_t> first;
+  std::vector<char> ours;
+  std::vector<float> xs, gu, act, ys, pair_weight;
+};
+MoeScratch& moe_scratch() {
+  thread_local MoeScratch scratch;
+  return scratch;
+}
+
 // Routed experts: tokens grouped by expert (stable), each chosen expert's weights read once. Experts
 // whose rows the measured choice gives to the kernel above run on it, split over the intra-op pool by
 // (expert, output range); the others go through ATen's GEMM (prefill). Each token's output sums its
@@ -884,7 +897,13 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   const auto x = x_in.contiguous();
   const int64_t T = ids.size(0), k = ids.size(1), E = gate_up.size(0), H = x.size(1), I = down.size(2);
   const int64_t* ip = ids.data_ptr<int64_t>();
-  std::vector<std::vector<int64_t>> rows(E), slots(E);
+  MoeScratch& buffers = moe_scratch();  // bound here: tasks on other threads must see this thread's buffers
+  auto& rows = buffers.rows;
+  auto& slots = buffers.slots;
+  for (auto* lists : {&rows, &slots}) {
+    if (static_cast<int64_t>(lists->size()) < E) lists->resize(E);
+    for (int64_t e = 0; e < E; ++e) (*lists)[e].clear();
+  }
   for (int64_t i = 0; i < T * k; ++i) {
     if (ip[i] < 0) continue;  // another rank's expert (expert parallelism): nothing to add here
     TORCH_CHECK(ip[i] < E, "moe_experts: expert id ", ip[i], " outside the bank of ", E);
@@ -910,16 +929,20 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
     return out;
   }
   // Each (expert, row) pair gets a row of the scratch buffers, experts in order.
-  std::vector<int64_t> first(E + 1, 0);
+  auto& first = buffers.first;
+  first.assign(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows[e].size());
   const int64_t pairs = first[E];
-  std::vector<float> xs(pairs * H), gu(pairs * 2 * I), act(pairs * I), ys(pairs * H);
+  auto &xs = buffers.xs, &gu = buffers.gu, &act = buffers.act, &ys = buffers.ys;
+  for (auto [buffer, floats] : {std::pair{&xs, pairs * H}, {&gu, pairs * 2 * I}, {&act, pairs * I}, {&ys, pairs * H}})
+    if (static_cast<int64_t>(buffer->size()) < floats) buffer->resize(floats);
   const float* xp = x.data_ptr<float>();
   for (int64_t e = 0; e < E; ++e)
     for (size_t r = 0; r < rows[e].size(); ++r)
       std::memcpy(&xs[(first[e] + r) * H], xp + rows[e][r] * H, H * sizeof(float));
   const bool gu_cm = gate_up.stride(1) == 1, down_cm = down.stride(1) == 1;
-  std::vector<char> ours(E, 0);
+  auto& ours = buffers.ours;
+  ours.assign(E, 0);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = first[e + 1] - first[e];
     ours[e] = n > 0 && few_rows_serves(2 * I, H, gu_cm, n) && few_rows_serves(H, I, down_cm, n);
@@ -952,8 +975,11 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
     at::from_blob(&ys[first[e] * H], {n, H}, x.options()).copy_(at::linear(h, down[e]));
   }
   // Each token adds its experts' rows, weighted, in expert order.
-  std::vector<std::vector<int64_t>> token_pairs(T);
-  std::vector<float> pair_weight(pairs);
+  auto& token_pairs = buffers.token_pairs;
+  if (static_cast<int64_t>(token_pairs.size()) < T) token_pairs.resize(T);
+  for (int64_t t = 0; t < T; ++t) token_pairs[t].clear();
+  auto& pair_weight = buffers.pair_weight;
+  pair_weight.resize(pairs);
   const float* wp = flat_w.data_ptr<float>();
   for (int64_t e = 0; e < E; ++e)
     for (size_t r = 0; r < rows[e].size(); ++r) {
