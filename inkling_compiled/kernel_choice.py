@@ -3,8 +3,8 @@
 For a matmul weight [O, H] (used as x @ W^T) the engine can store W or W^T contiguous, and multiply a
 few rows by it with its own C++ kernel or with ATen's GEMM (MKL). Which is faster depends on the CPU,
 its caches, the thread count and the rows, so the first time a shape is loaded on a machine both
-kernels are timed in both layouts for each row count in ROWS (a few milliseconds per shape), the weight
-streaming from copies that do not fit in cache, as a decode step reads it. The layout whose best kernel
+kernels are timed in both layouts for each row count in ROWS (some 0.1 s per shape), the weight
+streaming from memory the caches do not hold, as a decode step reads it. The layout whose best kernel
 is faster over those rows is stored; the C++ kernel learns, per row count, whether it or ATen serves.
 
 Results live in one file per machine key (CPU model, instruction set, core count, torch, the kernels'
@@ -34,8 +34,9 @@ log = logging.getLogger("inkling_compiled")
 
 ROWS = (1, 2, 4, 8, 16, 32)  # row counts measured; a count in between takes the next one up, more go to ATen
 MAX_ROWS = 64  # the C++ kernel's limit
-STREAM_BYTES = 32 << 20  # the copies a measurement cycles through: past the per-core caches
-CALLS = 16  # per pass of a measurement, at most
+STREAM_BYTES = 512 << 20  # the buffer measurements walk through: past the last-level cache
+CALLS = 16  # per pass of a measurement, at most ...
+CALL_BYTES = 32 << 20  # ... and about this much weight read per pass
 PASSES = 3
 FORMAT = 1
 
@@ -109,26 +110,50 @@ def _set_choice(o: int, h: int, column_major: bool, threads: int, mask: int) -> 
     fn(o, h, int(column_major), threads, mask)
 
 
-def _per_call_us(fn, weights: list[torch.Tensor], calls: int) -> float:
+def _per_call_us(fn, weights: list[torch.Tensor]) -> float:
     t0 = time.perf_counter()
-    for i in range(calls):
-        fn(weights[i % len(weights)])
-    return (time.perf_counter() - t0) / calls * 1e6
+    for w in weights:
+        fn(w)
+    return (time.perf_counter() - t0) / len(weights) * 1e6
 
 
-def measure_shape(o: int, h: int, threads: int) -> ShapeChoice:
+class WeightStream:
+    """Weights for timing, as views that walk through one buffer larger than the last-level cache: each
+    call reads memory no call touched for the last STREAM_BYTES, as a decode step reads each weight once
+    among hundreds of megabytes of others. One buffer serves every shape a load measures."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+        self.offset = 0
+
+    def views(self, o: int, h: int, column_major: bool, count: int) -> list[torch.Tensor]:
+        size = (o * h + 15) // 16 * 16  # each view starts on a 64-byte line
+        if self.buffer is None or self.buffer.numel() < 2 * size:
+            self.buffer = torch.full((max(STREAM_BYTES // 4, 2 * size),), 0.5)
+            self.offset = 0
+        out = []
+        for _ in range(count):
+            if self.offset + size > self.buffer.numel():
+                self.offset = 0
+            flat = self.buffer[self.offset:self.offset + o * h]
+            out.append(flat.view(h, o).t() if column_major else flat.view(o, h))  # [O, H] either way
+            self.offset += size
+        return out
+
+    def release(self) -> None:
+        self.buffer = None
+
+
+def measure_shape(o: int, h: int, threads: int, stream: WeightStream | None = None) -> ShapeChoice:
     """Times the C++ kernel and ATen at every row count of ROWS, in both layouts, at `threads`."""
-    copies = max(2, min(CALLS, STREAM_BYTES // max(1, o * h * 4)))
-    calls = max(4, min(CALLS, STREAM_BYTES // max(1, o * h * 4)))
+    stream = stream or WeightStream()
+    calls = max(4, min(CALLS, CALL_BYTES // max(1, o * h * 4)))
     ours: dict[str, list[float]] = {}
     aten: dict[str, list[float]] = {}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for layout in ("W", "W^T"):
-            weights = [torch.full((o, h) if layout == "W" else (h, o), 0.5) for _ in range(copies)]
-            if layout == "W^T":
-                weights = [w.t() for w in weights]  # [O, H] with stride 1 along O
             ours[layout], aten[layout] = [], []
             for rows in ROWS:
                 x = torch.full((rows, h), 0.25)
@@ -138,12 +163,12 @@ def measure_shape(o: int, h: int, threads: int) -> ShapeChoice:
                 for _ in range(PASSES):
                     for kernel, mask in (("ours", (1 << MAX_ROWS) - 1), ("aten", 0)):
                         _set_choice(o, h, layout == "W^T", threads, mask)
-                        torch.ops.inkling.linear(x, weights[0])  # warm: first touch, code paths
+                        weights = stream.views(o, h, layout == "W^T", calls + 1)
+                        torch.ops.inkling.linear(x, weights.pop())  # warm: code paths, scratch buffers
                         best[kernel] = min(best[kernel], _per_call_us(lambda w: torch.ops.inkling.linear(x, w),
-                                                                      weights, calls))
+                                                                      weights))
                 ours[layout].append(best["ours"])
                 aten[layout].append(best["aten"])
-            del weights
     finally:
         torch.set_num_threads(before)
     # The layout whose faster kernel does better over the row counts, each weighed by its best time.
@@ -161,6 +186,7 @@ class KernelChoices:
         self.path = choices_path(self.key)
         self.shapes: dict[tuple[int, int], ShapeChoice] = {}
         self.measured: list[tuple[int, int]] = []  # shapes this process measured (not from the file)
+        self.stream = WeightStream()  # held while a load measures; release_stream() frees it
         self._lock = threading.Lock()
         self._read()
 
@@ -199,12 +225,17 @@ class KernelChoices:
                 if not self.measured:
                     sys.stderr.write("inkling-compiled: timing the matmul kernels for this machine's weight shapes "
                                      f"(once per machine and thread count; saved in {self.path})\n")
-                found = self.shapes[(o, h)] = measure_shape(o, h, self.threads)
+                found = self.shapes[(o, h)] = measure_shape(o, h, self.threads, self.stream)
                 self.measured.append((o, h))
                 self._write()
             for layout in ("W", "W^T"):
                 _set_choice(o, h, layout == "W^T", self.threads, found.rows_mask(layout))
             return found
+
+    def release_stream(self) -> None:
+        """Frees the timing buffer (a load calls this once every weight is in place)."""
+        with self._lock:
+            self.stream.release()
 
     def install(self) -> None:
         """Tells the C++ kernels every choice this machine has (choice() does so shape by shape)."""

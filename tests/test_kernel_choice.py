@@ -27,9 +27,9 @@ def _count_measurements(monkeypatch) -> list:
     measured = []
     real = kernel_choice.measure_shape
 
-    def counting(o, h, threads):
+    def counting(o, h, threads, stream=None):
         measured.append((o, h, threads))
-        return real(o, h, threads)
+        return real(o, h, threads, stream)
 
     monkeypatch.setattr(kernel_choice, "measure_shape", counting)
     return measured
