@@ -79,7 +79,7 @@ def step_cost(model, pool, tokens: int, rows: int, context: int) -> dict:
     weight_bytes = flops_per_token = 0.0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
-        if "embed_tokens" in name:
+        if name.endswith("embed_tokens.weight"):
             weight_bytes += tokens * p.shape[-1] * p.element_size()  # one row per token
         elif ".experts." in name:  # a routed bank [E, ...]: the experts the tokens reach
             weight_bytes += nbytes / experts * reached
