@@ -74,7 +74,7 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
               engines: list[str], log=print, threads: int = 1) -> dict:
     """Every engine (and transformers) at `threads` intra-op threads; each engine's step also as a
     fraction of the floor (roofline.py) measured in this run at the same count."""
-    from .roofline import measure_machine, step_cost
+    from .floor import measure_machine, step_cost
 
     machine = measure_machine(threads)
     torch.set_num_threads(threads)

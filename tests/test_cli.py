@@ -47,7 +47,7 @@ def test_a_steps_floor_counts_its_tokens_weights_and_rows(checkpoint):
     """step_cost against a count by hand: FLOPs scale with tokens (a verify row carries 1 + K), routed
     experts are read as far as the tokens reach them, and state is read once per row."""
     from inkling_compiled.engine import Engine
-    from inkling_compiled.roofline import step_cost
+    from inkling_compiled.floor import step_cost
 
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, progress=False)
     model, pool, config = engine.model, engine.worker.pool, engine.config
