@@ -96,14 +96,15 @@ def test_a_compiled_engine_at_two_threads_keeps_its_census_and_its_tokens(checkp
     an op, and the tokens and logprobs of the eager engine at one thread."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    prompts = [random_prompt(n, seed=70 + n) for n in (5, 19, 33)]
+    prompts = [random_prompt(n, seed=70 + n) for n in (5, 33)]
     params = SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True)
     torch.set_num_threads(1)
     want = Engine.from_pretrained(checkpoint("tiny"), compile=False, progress=False).generate(prompts, params)
     torch.set_num_threads(2)
     recorder = GraphRecorder("inductor")
-    engine = Engine.from_pretrained(checkpoint("tiny"), compile=True, progress=False, max_batch_size=4,
-                                    compile_backend=recorder)
+    # cpp_wrapper off: the Python wrapper compiles in a fraction of the time, and the threads are the point
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=True, progress=False, max_batch_size=2,
+                                    compile_backend=recorder, cpp_wrapper=False)
     got = engine.generate(prompts, params)
     assert len(recorder.graphs) == 1 and not torch._dynamo.utils.counters["graph_break"]
     assert census(recorder.graphs[0])["sconv_calls"] == 4 * engine.config.num_hidden_layers
