@@ -177,6 +177,11 @@ def measure_shape(o: int, h: int, threads: int, stream: WeightStream | None = No
     return ShapeChoice(o, h, score["W^T"] < score["W"], ours, aten)
 
 
+def _well_formed(s: ShapeChoice) -> bool:
+    return (set(s.ours_us) == set(s.aten_us) == {"W", "W^T"}
+            and all(len(t) == len(ROWS) for d in (s.ours_us, s.aten_us) for t in d.values()))
+
+
 class KernelChoices:
     """The measured choices of this machine at one thread count, loaded from and saved to its file."""
 
@@ -202,19 +207,31 @@ class KernelChoices:
             log.warning("ignoring the kernel choice cache %s: it was measured for another machine, build or thread "
                         "count (%s); measuring again", self.path, saved.key)
             return
-        good = [s for s in saved.shapes if all(len(t) == len(ROWS) for d in (s.ours_us, s.aten_us) for t in d.values())
-                and set(s.ours_us) == set(s.aten_us) == {"W", "W^T"}]
+        good = [s for s in saved.shapes if _well_formed(s)]
         if len(good) != len(saved.shapes):
             log.warning("ignoring %d malformed entries of the kernel choice cache %s", len(saved.shapes) - len(good),
                         self.path)
         self.shapes = {(s.out_features, s.in_features): s for s in good}
 
     def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        """Saves every shape, those another process of this key saved meanwhile included (the last writer
+        wins a race; a shape it drops is measured again later). A cache that cannot be written is a
+        warning: the choices still serve this process."""
+        try:
+            saved = msgspec.json.decode(self.path.read_bytes(), type=ChoiceFile)
+            if saved.format == FORMAT and saved.key == self.key:
+                for s in filter(_well_formed, saved.shapes):
+                    self.shapes.setdefault((s.out_features, s.in_features), s)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            pass
         data = ChoiceFile(FORMAT, self.key, sorted(self.shapes.values(), key=lambda s: (s.out_features, s.in_features)))
-        scratch.write_bytes(msgspec.json.format(msgspec.json.encode(data)))
-        os.replace(scratch, self.path)  # another process reading at the same moment sees a whole file
+        scratch = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            scratch.write_bytes(msgspec.json.format(msgspec.json.encode(data)))
+            os.replace(scratch, self.path)  # another process reading at the same moment sees a whole file
+        except OSError as e:
+            log.warning("could not save the kernel choices to %s (%s); they hold for this process only", self.path, e)
 
     def choice(self, o: int, h: int) -> ShapeChoice:
         """The shape's choice, measured now (and saved) if this machine has none yet; the C++ kernels

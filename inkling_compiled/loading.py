@@ -106,9 +106,12 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
             non_finite.append(name)
         return out
 
-    tensors, report = read_text_tensors(path, config, convert_checked, mtp_depths, tp.take if tp is not None else None)
-    if choices is not None:
-        choices.release_stream()
+    try:
+        tensors, report = read_text_tensors(path, config, convert_checked, mtp_depths,
+                                            tp.take if tp is not None else None)
+    finally:
+        if choices is not None:
+            choices.release_stream()  # the timing buffer, however the load ended
     if non_finite:
         shown = ", ".join(non_finite[:8]) + (f" and {len(non_finite) - 8} more" if len(non_finite) > 8 else "")
         raise CheckpointError(f"{Path(path)}: non-finite values (NaN or inf) in {shown}; "

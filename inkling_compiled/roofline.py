@@ -23,6 +23,7 @@ speed.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -40,14 +41,23 @@ def _time_extend(engine, tokens: int) -> float:
 
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     times = []
-    for seed in range(4):
-        engine.add_request(_prompts(1, tokens, seed=seed)[0], params)
+    for seed in range(4):  # seeds no decode prompt uses: no prefix-cache hit
+        engine.add_request(_prompts(1, tokens, seed=10_000 + seed)[0], params)
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
         while engine.has_unfinished():
             engine.step()
     return statistics.median(times[1:])  # the first also warms the extend path
+
+
+@contextlib.contextmanager
+def _threads_restored():
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def roofline(config_name: str, batches: list[int], context: int = 128, new_tokens: int = 64,
@@ -65,10 +75,9 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
 
     threads = threads or sorted({1, torch.get_num_threads()})
     machines, rows = [], []
-    before = torch.get_num_threads()
     prompt_len = max(1, context - new_tokens)
     mean_context = prompt_len + new_tokens // 2
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _threads_restored():
         path = build_tiny_checkpoint(Path(tmp) / config_name, config_name)
         for count in threads:
             machine = measure_machine(count)
@@ -110,7 +119,6 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
                              "experts_reached": cost["experts_reached"], "floor_step_ms": 1e3 * floor_s,
                              "step_ms": 1e3 * seconds, "of_floor": floor_s / seconds,
                              "bandwidth_gb_s": machine["bandwidth_gb_s"], "matmul_gflop_s": machine["matmul_gflop_s"]})
-    torch.set_num_threads(before)
     return machines, rows
 
 

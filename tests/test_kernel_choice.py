@@ -139,3 +139,13 @@ def kernel_choice_shape(name, p) -> bool:
     from inkling_compiled.loading import is_matmul_weight
 
     return is_matmul_weight(name, tuple(p.shape))
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning_and_the_choice_still_serves(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setattr(kernel_choice, "choices_path", lambda key: blocker / "choices.json")
+    with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
+        choice = KernelChoices(threads=1).choice(40, 24)
+    assert len(choice.ours_us["W"]) == len(ROWS)
+    assert any("could not save the kernel choices" in r.getMessage() for r in caplog.records)

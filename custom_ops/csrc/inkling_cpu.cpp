@@ -729,6 +729,7 @@ const MatmulChoice& matmul_choice() {
 constexpr int64_t kTaskBytes = 64 << 10;
 constexpr int64_t kChunkRows = 64;     // rows of W^T per task: a contiguous block of the weight
 constexpr int64_t kChunkCols = 4096;   // columns of W^T per task at most
+constexpr int64_t kMaxScratchFloats = 1 << 20;  // partial sums of one matmul (4 MB) at most
 
 // One matmul cut into tasks that each read one contiguous block of the weight and write outputs no
 // other task writes, so that tasks run in any order on any thread with the same result:
@@ -743,7 +744,7 @@ struct SplitMatmul {
   int64_t O, w_o, w_h;
   float* y;
   float* partial;  // chunks() x n x O floats when chunks() > 1, else unused
-  int64_t o_step = 0, o_tasks = 0, h_chunks = 1;
+  int64_t o_step = 0, o_tasks = 0, h_chunks = 1, chunk_rows = 0;
 
   SplitMatmul(const float* x_, int64_t n_, int64_t H_, const float* w_, int64_t O_, int64_t w_o_, int64_t w_h_,
               float* y_)
@@ -753,7 +754,13 @@ struct SplitMatmul {
       o_step = 4 * std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, 16 * H));
     } else {
       o_step = std::min<int64_t>(kChunkCols, (O + 15) / 16 * 16);
-      h_chunks = (H + kChunkRows - 1) / kChunkRows;
+      // Chunks of kChunkRows rows, fewer (and longer, in steps of kGroup) where the partial sums would
+      // pass kMaxScratchFloats: the chunking depends on the shape and the rows only.
+      h_chunks = std::min((H + kChunkRows - 1) / kChunkRows,
+                          std::max<int64_t>(1, kMaxScratchFloats / std::max<int64_t>(1, n * O)));
+      chunk_rows = (H + h_chunks - 1) / h_chunks;
+      chunk_rows = (chunk_rows + kGroup - 1) / kGroup * kGroup;
+      h_chunks = (H + chunk_rows - 1) / chunk_rows;
     }
     o_tasks = (O + o_step - 1) / o_step;
   }
@@ -761,7 +768,7 @@ struct SplitMatmul {
   int64_t scratch_floats() const { return h_chunks > 1 ? h_chunks * n * O : 0; }
   void run(int64_t task, MatmulKernel kernel) const {
     const int64_t chunk = task / o_tasks, o0 = task % o_tasks * o_step, o1 = std::min(O, o0 + o_step);
-    const int64_t h0 = chunk * kChunkRows, h1 = w_h == 1 ? H : std::min(H, h0 + kChunkRows);
+    const int64_t h0 = chunk * chunk_rows, h1 = w_h == 1 ? H : std::min(H, h0 + chunk_rows);
     kernel(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, h_chunks > 1 ? partial + chunk * n * O : y);
   }
   // y = the chunks' partial sums, added in chunk order; outputs [o0, o1) of every row.
@@ -778,11 +785,19 @@ struct SplitMatmul {
   }
 };
 
-// The calling thread's scratch for partial sums, grown as needed (no allocation per call once warm).
-float* scratch(int64_t floats) {
+// The calling thread's scratch for partial sums, grown as needed (no allocation per call once warm);
+// a call needing more than decode sizes frees it afterwards (release_large_scratch).
+std::vector<float>& scratch_buffer() {
   thread_local std::vector<float> buffer;
+  return buffer;
+}
+float* scratch(int64_t floats) {
+  auto& buffer = scratch_buffer();
   if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
   return buffer.data();
+}
+void release_large_scratch() {
+  if (scratch_buffer().capacity() > (4u << 20)) std::vector<float>().swap(scratch_buffer());
 }
 
 // Runs the tasks of every matmul in `parts` on the intra-op pool, then their reductions.
@@ -815,6 +830,7 @@ void run_split(std::vector<SplitMatmul>& parts) {
       p.reduce(sums[t].second, std::min(p.O, sums[t].second + kReduceCols));
     }
   });
+  release_large_scratch();
 }
 
 // y[n, O] = x[n, H] @ W^T over the intra-op pool.
@@ -995,6 +1011,10 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
         for (int64_t h = 0; h < H; ++h) dst[h] += ys[p * H + h] * wgt;
       }
   });
+  // Kept for the next call up to decode sizes; a prefill's buffers go with it.
+  constexpr int64_t kKeepFloats = 4 << 20;
+  if (static_cast<int64_t>(xs.capacity() + gu.capacity() + act.capacity() + ys.capacity()) > kKeepFloats)
+    for (auto* buffer : {&xs, &gu, &act, &ys}) std::vector<float>().swap(*buffer);
   return out;
 }
 
