@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import importlib
 import logging
@@ -178,14 +179,26 @@ def _build_into(future: concurrent.futures.Future) -> None:
         future.set_exception(e)
 
 
-def cpu_isa() -> str | None:
-    """The instruction set the C++ matmul kernels picked for this CPU ('avx512', 'avx2', 'portable'; the
-    INKLING_CPU_ISA variable can force a lower one); None where the C++ kernels are not in use."""
+@functools.cache
+def native_library():
+    """The loaded C++ kernels as a ctypes library (their `extern "C"` functions), or None where they are
+    not in use."""
     if not native_kernels():
         return None
     import ctypes
 
-    isa = ctypes.CDLL(str(_library)).inkling_cpu_isa
+    return ctypes.CDLL(str(_library))
+
+
+def cpu_isa() -> str | None:
+    """The instruction set the C++ matmul kernels picked for this CPU ('avx512', 'avx2', 'portable'; the
+    INKLING_CPU_ISA variable can force a lower one); None where the C++ kernels are not in use."""
+    native = native_library()
+    if native is None:
+        return None
+    isa = native.inkling_cpu_isa
+    import ctypes
+
     isa.restype = ctypes.c_char_p
     return isa().decode()
 

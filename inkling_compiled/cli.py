@@ -306,14 +306,11 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _roofline(args: argparse.Namespace) -> int:
-    import torch
-
     from .roofline import roofline, roofline_table
 
-    threads = args.threads or sorted({1, torch.get_num_threads()})  # one thread and torch's default (all cores)
     machines, rows = [], []
     for config in args.configs:
-        m, r = roofline(config, args.batches, context=args.context, threads=threads, kinds=tuple(args.steps),
+        m, r = roofline(config, args.batches, context=args.context, threads=args.threads, kinds=tuple(args.steps),
                         extend_tokens=args.extend_tokens)
         machines, rows = machines + m, rows + r
     print(roofline_table(machines, rows), end="")

@@ -17,6 +17,7 @@ kernel up to N rows, layouts by shape): an override, for comparisons.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import logging
@@ -96,18 +97,20 @@ def choices_path(key: dict[str, str]) -> Path:
     return default_cache_dir() / "kernel-choices" / f"{digest}.json"
 
 
-def _library() -> ctypes.CDLL:
-    from .custom_ops import library
+@functools.cache
+def _set_choice_fn():
+    from .custom_ops.library import native_library
 
-    if not library.native_kernels():
+    native = native_library()
+    if native is None:
         raise RuntimeError("the inkling C++ CPU kernels are not loaded: there is no kernel to choose")
-    return ctypes.CDLL(str(library._library))
+    fn = native.inkling_set_matmul_choice
+    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64]
+    return fn
 
 
 def _set_choice(o: int, h: int, column_major: bool, threads: int, mask: int) -> None:
-    fn = _library().inkling_set_matmul_choice
-    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64]
-    fn(o, h, int(column_major), threads, mask)
+    _set_choice_fn()(o, h, int(column_major), threads, mask)
 
 
 def _per_call_us(fn, weights: list[torch.Tensor]) -> float:
@@ -254,19 +257,6 @@ class KernelChoices:
         with self._lock:
             self.stream.release()
 
-    def install(self) -> None:
-        """Tells the C++ kernels every choice this machine has (choice() does so shape by shape)."""
-        with self._lock:
-            for (o, h), found in self.shapes.items():
-                for layout in ("W", "W^T"):
-                    _set_choice(o, h, layout == "W^T", self.threads, found.rows_mask(layout))
-
-    def table(self) -> list[dict]:
-        """Per shape: the layout, and the row counts the C++ kernel serves (for reports)."""
-        return [{"weight": f"{s.out_features}x{s.in_features}", "layout": s.layout,
-                 "ours_rows": s.ours_rows(), "threads": self.threads}
-                for s in sorted(self.shapes.values(), key=lambda s: (s.out_features, s.in_features))]
-
 
 _choices: dict[int, KernelChoices] = {}
 _choices_lock = threading.Lock()
@@ -274,10 +264,10 @@ _choices_lock = threading.Lock()
 
 def forget_installed() -> None:
     """Clears the C++ kernels' table (every shape back to the default) and this process's choices."""
-    from .custom_ops.library import native_kernels
+    from .custom_ops.library import native_library
 
-    if native_kernels():
-        _library().inkling_clear_matmul_choices()
+    if (native := native_library()) is not None:
+        native.inkling_clear_matmul_choices()
     with _choices_lock:
         _choices.clear()
 

@@ -93,7 +93,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         # Always a fresh, allocator-aligned tensor: safetensors hands out views into the mmap at
         # arbitrary alignment, and SIMD kernels round differently on differently aligned data.
         out_dtype = torch.float32 if keeps_fp32(name) else dtype
-        if column_major(name, t.shape, choices if out_dtype == torch.float32 else None):
+        if column_major(name, t.shape, choices):
             fresh = torch.empty(t.shape[:-2] + (t.shape[-1], t.shape[-2]), dtype=out_dtype, device=device)
             return fresh.copy_(t.transpose(-1, -2)).transpose(-1, -2)
         return torch.empty(t.shape, dtype=out_dtype, device=device).copy_(t)

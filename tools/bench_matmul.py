@@ -1,5 +1,6 @@
-"""The projections' small-M matmul: our C++ kernel (what `inkling::linear` and the experts use up to
-its measured choice says; forced here for every row count) against ATen's GEMM (MKL), per weight shape, layout and rows.
+"""The projections' small-M matmul: our C++ kernel (what `inkling::linear` and the experts use where the
+measured choice says; forced here for every row count) against ATen's GEMM (MKL), per weight shape,
+layout and rows.
 
     OMP_NUM_THREADS=1 python tools/bench_matmul.py [--rows 1 2 4 8 16 32] [--isa avx512|avx2|portable]
                                                    [--from-memory MB] [--threads N] [--shapes OxH ...]

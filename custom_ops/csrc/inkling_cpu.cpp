@@ -730,20 +730,23 @@ constexpr int64_t kTaskBytes = 64 << 10;
 constexpr int64_t kChunkRows = 64;     // rows of W^T per task: a contiguous block of the weight
 constexpr int64_t kChunkCols = 4096;   // columns of W^T per task at most
 constexpr int64_t kMaxScratchFloats = 1 << 20;  // partial sums of one matmul (4 MB) at most
+// Working buffers kept with their thread between calls up to this size (decode); larger ones (a
+// prefill's) are freed after the call.
+constexpr size_t kKeepScratchFloats = 4 << 20;
 
 // One matmul cut into tasks that each read one contiguous block of the weight and write outputs no
 // other task writes, so that tasks run in any order on any thread with the same result:
 // - W's layout: ranges of outputs (whole rows of W), one task each;
-// - W^T's: (chunk of kChunkRows rows of W^T, range of columns) pairs; each chunk's partial sums go to
-//   a scratch buffer of their own, and `reduce` adds the chunks in order. The chunks depend on the
-//   shape only, never on the thread count.
+// - W^T's: (chunk of rows of W^T, range of columns) pairs; each chunk's partial sums go to a scratch
+//   buffer of their own, and `reduce` adds the chunks in order. The chunks depend on the shape and the
+//   rows only, never on the thread count.
 struct SplitMatmul {
   const float* x;
   int64_t n, H;
   const float* w;
   int64_t O, w_o, w_h;
   float* y;
-  float* partial;  // chunks() x n x O floats when chunks() > 1, else unused
+  float* partial;  // h_chunks x n x O floats when h_chunks > 1, else unused
   int64_t o_step = 0, o_tasks = 0, h_chunks = 1, chunk_rows = 0;
 
   SplitMatmul(const float* x_, int64_t n_, int64_t H_, const float* w_, int64_t O_, int64_t w_o_, int64_t w_h_,
@@ -786,7 +789,7 @@ struct SplitMatmul {
 };
 
 // The calling thread's scratch for partial sums, grown as needed (no allocation per call once warm);
-// a call needing more than decode sizes frees it afterwards (release_large_scratch).
+// past kKeepScratchFloats it is freed after the call (release_large_scratch).
 std::vector<float>& scratch_buffer() {
   thread_local std::vector<float> buffer;
   return buffer;
@@ -797,12 +800,12 @@ float* scratch(int64_t floats) {
   return buffer.data();
 }
 void release_large_scratch() {
-  if (scratch_buffer().capacity() > (4u << 20)) std::vector<float>().swap(scratch_buffer());
+  if (scratch_buffer().capacity() > kKeepScratchFloats) std::vector<float>().swap(scratch_buffer());
 }
 
 // Runs the tasks of every matmul in `parts` on the intra-op pool, then their reductions.
 void run_split(std::vector<SplitMatmul>& parts) {
-  int64_t floats = 0, tasks = 0;
+  int64_t floats = 0, tasks = 0, bytes = 0;
   for (const auto& p : parts) floats += p.scratch_floats();
   float* buffer = scratch(floats);
   std::vector<std::pair<int64_t, int64_t>> all;  // (part, task)
@@ -811,10 +814,9 @@ void run_split(std::vector<SplitMatmul>& parts) {
     buffer += parts[i].scratch_floats();
     for (int64_t t = 0; t < parts[i].tasks(); ++t) all.emplace_back(i, t);
     tasks += parts[i].tasks();
+    bytes += parts[i].O * parts[i].H * 4;
   }
   const MatmulKernel kernel = matmul_choice().kernel;
-  int64_t bytes = 0;
-  for (const auto& p : parts) bytes += p.O * p.H * 4;
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, bytes / std::max<int64_t>(1, tasks)));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) parts[all[t].first].run(all[t].second, kernel);
@@ -932,15 +934,18 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
                     down.scalar_type() == at::kFloat && (gate_up.stride(2) == 1 || gate_up.stride(1) == 1) &&
                     (down.stride(2) == 1 || down.stride(1) == 1);
   const auto opts = at::TensorOptions().dtype(at::kLong);
+  auto aten_expert = [&](const at::Tensor& xe, int64_t e) {  // down(silu(gate) * up) by ATen's GEMM
+    const auto g = at::linear(xe, gate_up[e]);
+    return at::linear(at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), down[e]);
+  };
   if (!fp32) {  // bf16 and other dtypes: ATen per expert, in expert order
     for (int64_t e = 0; e < E; ++e) {
       const int64_t n = static_cast<int64_t>(rows[e].size());
       if (n == 0) continue;
       const auto r = at::from_blob(rows[e].data(), {n}, opts);
       const auto s = at::from_blob(slots[e].data(), {n}, opts);
-      const auto g = at::linear(x.index_select(0, r), gate_up[e]);
-      const auto h = at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I);
-      out.index_add_(0, r, at::linear(h, down[e]) * flat_w.index_select(0, s).unsqueeze(1).to(x.scalar_type()));
+      out.index_add_(0, r, aten_expert(x.index_select(0, r), e) *
+                               flat_w.index_select(0, s).unsqueeze(1).to(x.scalar_type()));
     }
     return out;
   }
@@ -985,10 +990,8 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   for (int64_t e = 0; e < E; ++e) {  // the busy experts: ATen's GEMM, itself on the intra-op pool
     const int64_t n = first[e + 1] - first[e];
     if (n == 0 || ours[e]) continue;
-    const auto xe = at::from_blob(&xs[first[e] * H], {n, H}, x.options());
-    const auto g = at::linear(xe, gate_up[e]);
-    const auto h = at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I);
-    at::from_blob(&ys[first[e] * H], {n, H}, x.options()).copy_(at::linear(h, down[e]));
+    at::from_blob(&ys[first[e] * H], {n, H}, x.options())
+        .copy_(aten_expert(at::from_blob(&xs[first[e] * H], {n, H}, x.options()), e));
   }
   // Each token adds its experts' rows, weighted, in expert order.
   auto& token_pairs = buffers.token_pairs;
@@ -1012,8 +1015,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
       }
   });
   // Kept for the next call up to decode sizes; a prefill's buffers go with it.
-  constexpr int64_t kKeepFloats = 4 << 20;
-  if (static_cast<int64_t>(xs.capacity() + gu.capacity() + act.capacity() + ys.capacity()) > kKeepFloats)
+  if (xs.capacity() + gu.capacity() + act.capacity() + ys.capacity() > kKeepScratchFloats)
     for (auto* buffer : {&xs, &gu, &act, &ys}) std::vector<float>().swap(*buffer);
   return out;
 }
