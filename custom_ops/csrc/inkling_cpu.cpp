@@ -87,22 +87,32 @@ at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tens
   float* sp = state.data_ptr<float>();
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
+  // The taps by position ([K, D], kept with the thread) so that every loop below runs along channels
+  // and vectorises; each channel's terms are still added in the reference's order.
+  thread_local std::vector<float> by_position;
+  by_position.resize(K * D);
+  float* taps = by_position.data();
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t k = 0; k < K; ++k) taps[k * D + d] = wp[d * K + k];
   // Channels are independent: split over the intra-op pool by channel ranges.
   at::parallel_for(0, D, task_grain(B * K), [&](int64_t d0, int64_t d1) {
     for (int64_t b = 0; b < B; ++b) {
-      float* win = sp + ip[b] * s0;
-      const float* xb = xp + b * D;
-      for (int64_t d = d0; d < d1; ++d) {
-        const float* wd = wp + d * K;
-        float acc = xb[d] * wd[K - 1];
-        for (int64_t back = 1; back < K; ++back) {
-          const float prod = win[(K - 1 - back) * s1 + d] * wd[K - 1 - back];
-          acc = acc + prod;
-        }
-        yp[b * D + d] = acc;
-        for (int64_t j = 0; j + 1 < K - 1; ++j) win[j * s1 + d] = win[(j + 1) * s1 + d];
-        if (K > 1) win[(K - 2) * s1 + d] = xb[d];
+      float* __restrict win = sp + ip[b] * s0;
+      const float* __restrict xb = xp + b * D;
+      float* __restrict yb = yp + b * D;
+      const float* __restrict last = taps + (K - 1) * D;
+      for (int64_t d = d0; d < d1; ++d) yb[d] = xb[d] * last[d];
+      for (int64_t back = 1; back < K; ++back) {
+        const float* __restrict held = win + (K - 1 - back) * s1;
+        const float* __restrict tap = taps + (K - 1 - back) * D;
+        for (int64_t d = d0; d < d1; ++d) yb[d] = yb[d] + held[d] * tap[d];
       }
+      for (int64_t j = 0; j + 1 < K - 1; ++j) {
+        float* __restrict to = win + j * s1;
+        const float* __restrict from = win + (j + 1) * s1;
+        for (int64_t d = d0; d < d1; ++d) to[d] = from[d];
+      }
+      if (K > 1) std::memcpy(win + (K - 2) * s1 + d0, xb + d0, (d1 - d0) * sizeof(float));
     }
   });
   return y;
@@ -516,18 +526,30 @@ INKLING_INLINE vec16 load16(const float* p) {
 }
 INKLING_INLINE void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
 
+typedef float vec8 __attribute__((vector_size(32)));
+typedef float vec4 __attribute__((vector_size(16)));
+// The 16 lanes summed as a tree (halves, then quarters, then pairs): a fixed order, and a quarter of
+// the dependent adds of a lane-by-lane sum, which at 8+ rows cost as much as the dot products.
+INKLING_INLINE float sum16(vec16 v) {
+  const vec8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vec4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
 // How far ahead (floats) the kernels ask for weights: memory latency here is long enough that the
 // hardware prefetcher alone leaves a single thread well short of the bandwidth.
 constexpr int64_t kPrefetch = 256;
 
 // W rows contiguous ([O, H] row-major): R rows x C outputs of dot products, 16-wide partial sums.
 template <int R, int C>
-INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t w_o, int64_t O, float* y) {
+INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t w_o, int64_t O, float* y,
+                               int64_t ahead) {
   vec16 acc[R][C] = {};
   int64_t h = 0;
   for (; h + 16 <= H; h += 16) {
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * w_o + h + kPrefetch);
+    for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * w_o + ahead + h, 0, 2);
     vec16 xv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) xv[r] = load16(x + r * H + h);
@@ -540,8 +562,7 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float total = 0.0f;
-      for (int j = 0; j < 16; ++j) total += acc[r][c][j];
+      float total = sum16(acc[r][c]);
       for (int64_t t = h; t < H; ++t) total += x[r * H + t] * w[c * w_o + t];
       y[r * O + c] = total;
     }
@@ -551,11 +572,12 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t
 template <int R>
 INKLING_INLINE void dot_panel(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t o,
                               int64_t width, float* y) {
+  const int64_t ahead = 4 * w_o;  // the next panel, so that it streams in while this one is reused
   if (width == 4) {
-    dot_block<R, 4>(x, H, w + o * w_o, w_o, O, y + o);
+    dot_block<R, 4>(x, H, w + o * w_o, w_o, O, y + o, ahead);
     return;
   }
-  for (int64_t c = o; c < o + width; ++c) dot_block<R, 1>(x, H, w + c * w_o, w_o, O, y + c);
+  for (int64_t c = o; c < o + width; ++c) dot_block<R, 1>(x, H, w + c * w_o, w_o, O, y + c, ahead);
 }
 
 // W's layout, outputs [o0, o1) (o0 a multiple of 4): panels of 4 outputs outermost, so that a panel
@@ -636,8 +658,7 @@ INKLING_INLINE float dot_body(const float* a, const float* b, int64_t n) {
   vec16 acc = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
-  float total = 0.0f;
-  for (int j = 0; j < 16; ++j) total += acc[j];
+  float total = sum16(acc);
   for (; i < n; ++i) total += a[i] * b[i];
   return total;
 }
