@@ -133,6 +133,7 @@ def test_each_op_has_its_kernels_per_dispatch_key(op):
     for `linear`, the host wait for `wait_layer`); no catch-all registration that would hand one kernel
     to every device."""
     assert set(KERNELS[op]) == {"reference", "CPU", "CUDA"}
+    assert native_kernels()  # loaded on the first call of any native op: this test may run first
     cpu = registered(op, "CPU")
     assert ("inkling_cpu.cpp" in cpu) == (op in NATIVE_CPU_OPS), cpu
     assert registered(op, "CUDA").startswith(str(Path(__file__).resolve().parent.parent / "custom_ops"))

@@ -303,8 +303,11 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, co
 // probabilities rounded to bf16; p.v is summed in fp32 and the output rounded once, as ATen's bf16
 // matmul does.
 // fp32 dot product and y += s * x, built per instruction set with the matmul below.
-float fp32_dot(const float* a, const float* b, int64_t n);
-void fp32_axpy(float s, const float* x, float* y, int64_t n);
+void fp32_group_dots(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride, const int64_t* loc,
+                     int64_t n, float* s);
+void fp32_group_values(const float* p, int64_t g, int64_t n, const float* base, int64_t stride, const int64_t* loc,
+                       int64_t hd, float* acc);
+void fp32_softmax_rows(float* s, const float* bias, int64_t g, int64_t n, float scale);
 
 // Where a decode row's keys are: global layers read pages through the block table, positions 0..pos;
 // sliding layers read positions pos-window+1..pos from the slot's ring (entry p % ring_size).
@@ -352,7 +355,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     start[b + 1] = start[b] + pos - first_key[b] + 1;
     for (int64_t p = first_key[b]; p <= pos; ++p) locs.push_back(keys.location(slot, p));
   }
-  // The scores of (row b, head h) into sh[0..n): in bf16 each step rounded as attend() rounds it.
+  // bf16: the scores of (row b, head h) into sh[0..n), each step rounded as attend() rounds it.
   auto head_scores = [&](int64_t b, int64_t h, float* qs, float* sh) {
     const int64_t pos = positions.data_ptr<int64_t>()[b], first = first_key[b], n = start[b + 1] - start[b];
     const int64_t* loc = locs.data() + start[b];
@@ -365,11 +368,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t j = 0; j < n; ++j) {
       const scalar_t* kj = kp + loc[j] * k0 + kvh * k1;
       float dot = 0.0f;
-      if constexpr (fp32) {
-        dot = fp32_dot(qs, kj, hd);
-      } else {
-        for (int64_t d = 0; d < hd; ++d) dot += qs[d] * static_cast<float>(kj[d]);
-      }
+      for (int64_t d = 0; d < hd; ++d) dot += qs[d] * static_cast<float>(kj[d]);
       const int64_t dist = pos - (first + j);
       float bias = dist < rel_extent ? static_cast<float>(th[dist]) : 0.0f;
       if (tau.defined()) bias = rounded<scalar_t>(bias * t);
@@ -377,30 +376,32 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     }
   };
   if constexpr (fp32) {
-    // (row, head) pairs are independent: split over the intra-op pool by pairs.
+    // (row, kv head) pairs are independent: split over the intra-op pool by pairs, each reading its
+    // keys and values once for the `group` query heads that share them.
     const int64_t mean_keys = std::max<int64_t>(1, start[B] / std::max<int64_t>(1, B));
-    at::parallel_for(0, B * nh, task_grain(2 * mean_keys * hd), [&](int64_t begin, int64_t end) {
-      std::vector<float> qs(hd), scores, acc(hd);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / nh, h = bh % nh, n = start[b + 1] - start[b];
+    at::parallel_for(0, B * nkv, task_grain(2 * group * mean_keys * hd), [&](int64_t begin, int64_t end) {
+      std::vector<float> qs(group * hd), scores, bias, acc(group * hd);
+      for (int64_t bk = begin; bk < end; ++bk) {
+        const int64_t b = bk / nkv, kvh = bk % nkv, n = start[b + 1] - start[b];
+        const int64_t pos = positions.data_ptr<int64_t>()[b], first = first_key[b];
         const int64_t* loc = locs.data() + start[b];
-        scores.resize(n);
-        head_scores(b, h, qs.data(), scores.data());
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
-        float total = 0.0f;
-        for (int64_t j = 0; j < n; ++j) {
-          scores[j] = std::exp(scores[j] - mx);
-          total += scores[j];
+        const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
+        const float* qg = qp + (b * nh + kvh * group) * hd;
+        for (int64_t i = 0; i < group * hd; ++i) qs[i] = tau.defined() ? qg[i] * t : qg[i];
+        scores.resize(group * n);
+        fp32_group_dots(qs.data(), group, hd, kp + kvh * k1, k0, loc, n, scores.data());
+        bias.resize(group * n);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* th = tp + (b * nh + kvh * group + g) * E;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t dist = pos - (first + j);
+            bias[g * n + j] = (dist < rel_extent ? th[dist] : 0.0f) * t;
+          }
         }
+        fp32_softmax_rows(scores.data(), bias.data(), group, n, inv_hd);
         std::fill(acc.begin(), acc.end(), 0.0f);
-        const int64_t kvh = h / group;
-        for (int64_t j = 0; j < n; ++j) {
-          const float p = scores[j] / total;
-          fp32_axpy(p, vp + loc[j] * v0 + kvh * v1, acc.data(), hd);
-        }
-        float* oh = op + (b * nh + h) * hd;
-        for (int64_t d = 0; d < hd; ++d) oh[d] = acc[d];
+        fp32_group_values(scores.data(), group, n, vp + kvh * v1, v0, loc, hd, acc.data());
+        std::copy(acc.begin(), acc.end(), op + (b * nh + kvh * group) * hd);
       }
     });
   } else {
@@ -669,19 +670,210 @@ INKLING_INLINE void axpy_body(float s, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += s * x[i];
 }
 
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+
+// e^x in 16 lanes: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by Cephes' degree-7
+// polynomial, 2^n put in the exponent bits; within 2 ulp of std::exp, 0 below -87.3 (where std::exp
+// is denormal). The softmax and SiLU use it in place of 16 calls of std::exp.
+INKLING_INLINE vec16 exp16(vec16 x) {
+  const vec16 lo = vec16{} - 87.3365447f, hi = vec16{} + 88.3762626f;
+  const vec16 c = x < lo ? lo : (x > hi ? hi : x);
+  const vec16 shifter = vec16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const vec16 n = (c * 1.44269504f + shifter) - shifter;
+  vec16 r = c - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vec16 p = vec16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vec16 e = p * (r * r) + r + 1.0f;
+  const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
+  vec16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const vec16 out = e * scale;
+  return x < lo ? vec16{} : out;
+}
+
+// exp16 over n floats in place; the tail through a padded copy.
+INKLING_INLINE void exp_in_place(float* x, int64_t n, float shift) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) store16(x + j, exp16(load16(x + j) - shift));
+  if (j < n) {
+    float tail[16];
+    std::fill(tail, tail + 16, -INFINITY);
+    std::copy(x + j, x + n, tail);
+    const vec16 e = exp16(load16(tail) - shift);
+    std::memcpy(tail, &e, sizeof e);
+    std::copy(tail, tail + (n - j), x + j);
+  }
+}
+
+// Each of g rows of n scores: s = s * scale + bias, then its softmax in place.
+INKLING_INLINE void softmax_rows_body(float* s, const float* bias, int64_t g, int64_t n, float scale) {
+  for (int64_t h = 0; h < g; ++h) {
+    float* sh = s + h * n;
+    const float* bh = bias + h * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      sh[j] = sh[j] * scale + bh[j];
+      mx = sh[j] > mx ? sh[j] : mx;
+    }
+    exp_in_place(sh, n, mx);
+    vec16 acc = {};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) acc += load16(sh + j);
+    float total = sum16(acc);
+    for (; j < n; ++j) total += sh[j];
+    for (j = 0; j < n; ++j) sh[j] = sh[j] / total;
+  }
+}
+
+// act[p, :] = silu(gate) * up for rows gu[p] = [gate (I) | up (I)].
+INKLING_INLINE void silu_mul_body(const float* gu, int64_t rows, int64_t I, float* act) {
+  for (int64_t p = 0; p < rows; ++p) {
+    const float* g = gu + p * 2 * I;
+    const float* u = g + I;
+    float* a = act + p * I;
+    for (int64_t i = 0; i < I; ++i) a[i] = -g[i];
+    exp_in_place(a, I, 0.0f);
+    for (int64_t i = 0; i < I; ++i) a[i] = (g[i] / (1.0f + a[i])) * u[i];
+  }
+}
+
+// The sums of four 16-lane vectors, each by sum16's tree (so bit for bit what sum16 gives), with the
+// shuffles shared.
+INKLING_INLINE vec4 sum16x4(vec16 a0, vec16 a1, vec16 a2, vec16 a3) {
+  auto halves = [](vec16 v) -> vec8 {
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  };
+  const vec8 t0 = halves(a0), t1 = halves(a1), t2 = halves(a2), t3 = halves(a3);
+  const vec8 u01 = __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15);
+  const vec8 u23 = __builtin_shufflevector(t2, t3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(t2, t3, 4, 5, 6, 7, 12, 13, 14, 15);
+  const vec8 v = __builtin_shufflevector(u01, u23, 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(u01, u23, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(v, v, 0, 2, 4, 6) + __builtin_shufflevector(v, v, 1, 3, 5, 7);
+}
+
+// Decode attention for the g query heads that share a kv head: each key and value row is read from
+// memory once for all of them. Row j is at base + loc[j] * stride; q and acc are [g, hd], s and p are
+// [g, n]. V = hd / 16 when hd is 64 or 128 (the row in registers), 0 for any other hd.
+// Key and value rows come from all over the cache (L3 or memory at batch 32): asked for this many rows
+// ahead of their use.
+constexpr int64_t kRowsAhead = 16;
+INKLING_INLINE void prefetch_row(const float* row, int lines) {
+  for (int i = 0; i < lines; ++i) __builtin_prefetch(row + 16 * i);
+}
+
+template <int V>
+INKLING_INLINE void group_dots_rows(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride,
+                                    const int64_t* loc, int64_t n, float* s) {
+  int64_t j = 0;
+  if constexpr (V > 0) {
+    for (; j + 4 <= n; j += 4) {  // four keys at a time, their sums reduced together
+      const float* k[4] = {base + loc[j] * stride, base + loc[j + 1] * stride, base + loc[j + 2] * stride,
+                           base + loc[j + 3] * stride};
+      for (int64_t c = j + kRowsAhead; c < std::min(n, j + kRowsAhead + 4); ++c) prefetch_row(base + loc[c] * stride, V);
+      for (int64_t h = 0; h < g; ++h) {
+        vec16 acc[4] = {};
+#pragma GCC unroll 8
+        for (int i = 0; i < V; ++i) {
+          const vec16 qv = load16(q + h * hd + 16 * i);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) acc[c] += qv * load16(k[c] + 16 * i);
+        }
+        const vec4 sums = sum16x4(acc[0], acc[1], acc[2], acc[3]);
+        for (int c = 0; c < 4; ++c) s[h * n + j + c] = sums[c];
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const float* kj = base + loc[j] * stride;
+    for (int64_t h = 0; h < g; ++h) s[h * n + j] = dot_body(q + h * hd, kj, hd);
+  }
+}
+
+template <int V>
+INKLING_INLINE void group_values_rows(const float* p, int64_t g, int64_t n, const float* base, int64_t stride,
+                                      const int64_t* loc, int64_t hd, float* acc) {
+  if constexpr (V > 0) {
+    for (int64_t h = 0; h < g; ++h) {  // the head's sums stay in registers over every value row
+      vec16 sum[V];
+#pragma GCC unroll 8
+      for (int i = 0; i < V; ++i) sum[i] = load16(acc + h * hd + 16 * i);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vj = base + loc[j] * stride;
+        if (h == 0 && j + kRowsAhead < n) prefetch_row(base + loc[j + kRowsAhead] * stride, V);
+        const float pj = p[h * n + j];
+#pragma GCC unroll 8
+        for (int i = 0; i < V; ++i) sum[i] += pj * load16(vj + 16 * i);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < V; ++i) store16(acc + h * hd + 16 * i, sum[i]);
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = base + loc[j] * stride;
+      for (int64_t h = 0; h < g; ++h) axpy_body(p[h * n + j], vj, acc + h * hd, hd);
+    }
+  }
+}
+
+INKLING_INLINE void group_dots_body(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride,
+                                    const int64_t* loc, int64_t n, float* s) {
+  if (hd == 64) group_dots_rows<4>(q, g, hd, base, stride, loc, n, s);
+  else if (hd == 128) group_dots_rows<8>(q, g, hd, base, stride, loc, n, s);
+  else group_dots_rows<0>(q, g, hd, base, stride, loc, n, s);
+}
+
+INKLING_INLINE void group_values_body(const float* p, int64_t g, int64_t n, const float* base, int64_t stride,
+                                      const int64_t* loc, int64_t hd, float* acc) {
+  if (hd == 64) group_values_rows<4>(p, g, n, base, stride, loc, hd, acc);
+  else if (hd == 128) group_values_rows<8>(p, g, n, base, stride, loc, hd, acc);
+  else group_values_rows<0>(p, g, n, base, stride, loc, hd, acc);
+}
+
 #define INKLING_VECTOR_FOR(isa_name, features)                                                           \
-  __attribute__((target(features), optimize("fp-contract=fast"))) float dot_##isa_name(                   \
-      const float* a, const float* b, int64_t n) {                                                        \
-    return dot_body(a, b, n);                                                                             \
+  __attribute__((target(features), optimize("fp-contract=fast"))) void group_dots_##isa_name(            \
+      const float* q, int64_t g, int64_t hd, const float* base, int64_t stride, const int64_t* loc,        \
+      int64_t n, float* s) {                                                                               \
+    group_dots_body(q, g, hd, base, stride, loc, n, s);                                                    \
   }                                                                                                       \
-  __attribute__((target(features), optimize("fp-contract=fast"))) void axpy_##isa_name(                   \
-      float s, const float* x, float* y, int64_t n) {                                                     \
-    axpy_body(s, x, y, n);                                                                                \
+  __attribute__((target(features), optimize("fp-contract=fast"))) void group_values_##isa_name(          \
+      const float* p, int64_t g, int64_t n, const float* base, int64_t stride, const int64_t* loc,         \
+      int64_t hd, float* acc) {                                                                            \
+    group_values_body(p, g, n, base, stride, loc, hd, acc);                                                \
   }
 INKLING_VECTOR_FOR(avx512, "avx512f,avx512vl,avx2,fma")
 INKLING_VECTOR_FOR(avx2, "avx2,fma")
-float dot_portable(const float* a, const float* b, int64_t n) { return dot_body(a, b, n); }
-void axpy_portable(float s, const float* x, float* y, int64_t n) { axpy_body(s, x, y, n); }
+
+#define INKLING_EXP_FOR(isa_name, features)                                                              \
+  __attribute__((target(features), optimize("fp-contract=fast"))) void softmax_rows_##isa_name(          \
+      float* s, const float* bias, int64_t g, int64_t n, float scale) {                                   \
+    softmax_rows_body(s, bias, g, n, scale);                                                              \
+  }                                                                                                       \
+  __attribute__((target(features), optimize("fp-contract=fast"))) void silu_mul_##isa_name(              \
+      const float* gu, int64_t rows, int64_t I, float* act) {                                             \
+    silu_mul_body(gu, rows, I, act);                                                                      \
+  }
+INKLING_EXP_FOR(avx512, "avx512f,avx512vl,avx2,fma")
+INKLING_EXP_FOR(avx2, "avx2,fma")
+void softmax_rows_portable(float* s, const float* bias, int64_t g, int64_t n, float scale) {
+  softmax_rows_body(s, bias, g, n, scale);
+}
+void silu_mul_portable(const float* gu, int64_t rows, int64_t I, float* act) { silu_mul_body(gu, rows, I, act); }
+void group_dots_portable(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride,
+                         const int64_t* loc, int64_t n, float* s) {
+  group_dots_body(q, g, hd, base, stride, loc, n, s);
+}
+void group_values_portable(const float* p, int64_t g, int64_t n, const float* base, int64_t stride,
+                           const int64_t* loc, int64_t hd, float* acc) {
+  group_values_body(p, g, n, base, stride, loc, hd, acc);
+}
 
 // Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE, in
 // the same order of terms per output (h = 0, 1, ...; 16 partial sums in W's layout).
@@ -722,8 +914,10 @@ using MatmulKernel = void (*)(const float*, int64_t, int64_t, const float*, int6
 struct MatmulChoice {
   const char* isa;
   MatmulKernel kernel;
-  float (*dot)(const float*, const float*, int64_t);
-  void (*axpy)(float, const float*, float*, int64_t);
+  void (*group_dots)(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*, int64_t, float*);
+  void (*group_values)(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*, int64_t, float*);
+  void (*softmax_rows)(float*, const float*, int64_t, int64_t, float);
+  void (*silu_mul)(const float*, int64_t, int64_t, float*);
 };
 
 MatmulChoice choose_matmul() {
@@ -734,10 +928,13 @@ MatmulChoice choose_matmul() {
                       __builtin_cpu_supports("fma");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if ((want.empty() || want == "avx512") && avx512)
-    return {"avx512", matmul_outputs_avx512, dot_avx512, axpy_avx512};
+    return {"avx512", matmul_outputs_avx512, group_dots_avx512, group_values_avx512, softmax_rows_avx512,
+          silu_mul_avx512};
   if ((want.empty() || want == "avx512" || want == "avx2") && avx2)
-    return {"avx2", matmul_outputs_avx2, dot_avx2, axpy_avx2};
-  return {"portable", matmul_outputs_portable, dot_portable, axpy_portable};
+    return {"avx2", matmul_outputs_avx2, group_dots_avx2, group_values_avx2, softmax_rows_avx2,
+          silu_mul_avx2};
+  return {"portable", matmul_outputs_portable, group_dots_portable, group_values_portable, softmax_rows_portable,
+          silu_mul_portable};
 }
 
 const MatmulChoice& matmul_choice() {
@@ -863,8 +1060,17 @@ void few_rows_matmul(const float* x, int64_t n, int64_t H, const float* w, int64
   run_split(one);
 }
 
-float fp32_dot(const float* a, const float* b, int64_t n) { return matmul_choice().dot(a, b, n); }
-void fp32_axpy(float s, const float* x, float* y, int64_t n) { matmul_choice().axpy(s, x, y, n); }
+void fp32_group_dots(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride, const int64_t* loc,
+                     int64_t n, float* s) {
+  matmul_choice().group_dots(q, g, hd, base, stride, loc, n, s);
+}
+void fp32_group_values(const float* p, int64_t g, int64_t n, const float* base, int64_t stride, const int64_t* loc,
+                       int64_t hd, float* acc) {
+  matmul_choice().group_values(p, g, n, base, stride, loc, hd, acc);
+}
+void fp32_softmax_rows(float* s, const float* bias, int64_t g, int64_t n, float scale) {
+  matmul_choice().softmax_rows(s, bias, g, n, scale);
+}
 
 // ---- which kernel serves a weight shape: measured per machine, set from Python -------------------
 // Per (O, H, layout, thread count): bit r-1 of the mask set = this kernel for r rows (r <= 64), else
@@ -1001,11 +1207,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   };
   experts_matmul(gate_up, 2 * I, H, xs.data(), gu.data());
   at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = gu[p * 2 * I + i];
-        act[p * I + i] = (g / (1.0f + std::exp(-g))) * gu[p * 2 * I + I + i];
-      }
+    matmul_choice().silu_mul(gu.data() + begin * 2 * I, end - begin, I, act.data() + begin * I);
   });
   experts_matmul(down, H, I, act.data(), ys.data());
   for (int64_t e = 0; e < E; ++e) {  // the busy experts: ATen's GEMM, itself on the intra-op pool
