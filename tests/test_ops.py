@@ -395,3 +395,27 @@ def test_moe_skips_negative_expert_ids(kernel):
     got = moe(x, ids, w, gate_up, down)
     assert torch.isfinite(got).all() and torch.equal(got[1], torch.zeros(H))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_native_silu_and_softmax_hold_far_from_zero():
+    """The C++ kernels' vectorised exp (the experts' SiLU, the decode softmax) against float64 math over
+    the whole fp32 range of its inputs, clamps included: gates from -120 to 120 through an identity
+    expert, and attention scores spread over hundreds (probabilities down to e^-100 and below)."""
+    H = 40  # two full vectors of 16 and a tail
+    gates = torch.linspace(-120.0, 120.0, 3 * H).view(3, H)
+    eye = torch.eye(H)
+    gate_up, down = torch.cat([eye, eye]).unsqueeze(0), eye.unsqueeze(0)
+    got = torch.ops.inkling.moe_experts(gates, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1), gate_up, down)
+    g64 = gates.double()
+    want = g64 * torch.sigmoid(g64) * g64  # silu(gate) * up, up = gate
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-30)
+
+    g = torch.Generator().manual_seed(11)
+    W, slots, nh, hd = 24, 2, 4, 64  # 24 keys: one block of four-key dots short of a full vector
+    kr, vr = torch.randn(slots * W, 2, hd, generator=g), torch.randn(slots * W, 2, hd, generator=g)
+    q, table = torch.randn(2, nh, hd, generator=g) * 40, torch.randn(2, nh, W, generator=g) * 30
+    args = (q, kr, vr, table, torch.tensor([30, 7]), torch.tensor([1, 0], dtype=torch.int32), W, W)
+    got = torch.ops.inkling.ring_attention(*args)
+    want = KERNELS["ring_attention"]["reference"](*(a.double() if torch.is_tensor(a) and a.is_floating_point() else a
+                                                   for a in args))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
