@@ -50,6 +50,18 @@ def measure_machine(threads: int) -> dict:
             "bandwidth_gb_s": max(copy, reduce, gemv) / 1e9, "matmul_gflop_s": matmul / 1e9}
 
 
+RATES = ("copy_gb_s", "reduce_gb_s", "gemv_gb_s", "bandwidth_gb_s", "matmul_gflop_s")
+
+
+def best_rates(measurements: list[dict]) -> dict:
+    """Several `measure_machine` results at one thread count (taken between the timed steps of a run)
+    as one: each rate at its best, so that no step is set against a floor measured in a slow moment of
+    a noisy machine; also how many there were and the lowest bandwidth among them."""
+    best = {"threads": measurements[0]["threads"], "measurements": len(measurements),
+            "lowest_bandwidth_gb_s": min(m["bandwidth_gb_s"] for m in measurements)}
+    return best | {rate: max(m[rate] for m in measurements) for rate in RATES}
+
+
 def step_cost(model, pool, tokens: int, rows: int, context: int) -> dict:
     """The bytes a step of `tokens` tokens over `rows` sequences at `context` tokens must read, and the
     FLOPs it must do (decode: tokens = rows)."""

@@ -1,6 +1,8 @@
 """How far the compiled engine's steps are from this machine's limits: `inkling-compiled roofline`.
 
-For each thread count it measures the machine at that count:
+For each thread count it measures the machine at that count, before every timed step and once after the
+last (the best of each rate over those measurements sets the floor: on a machine whose speed drifts, a
+step is never set against a floor measured in a slow moment):
 
 - the rate at which weights can be read: the best of a copy (bytes read and written), a sum and
   ATen's one-row GEMV, each over a buffer far larger than the caches;
@@ -29,7 +31,7 @@ import time
 
 import torch
 
-from .floor import measure_machine, step_cost
+from .floor import best_rates, measure_machine, step_cost
 
 STEP_KINDS = ("decode", "verify", "extend")
 
@@ -80,9 +82,7 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
     with tempfile.TemporaryDirectory() as tmp, _threads_restored():
         path = build_tiny_checkpoint(Path(tmp) / config_name, config_name)
         for count in threads:
-            machine = measure_machine(count)
-            machines.append(machine)
-            rate, matmul = machine["bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
+            seen = []  # the machine between timings
             torch.set_num_threads(count)  # engines pin the count they are built under
             common = dict(max_batch_size=max(batches), progress=False,
                           max_model_len=max(context, extend_tokens) + speculative_tokens + 2,
@@ -92,6 +92,7 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
             for batch in batches:
                 prompts = _prompts(batch, prompt_len, seed=batch)
                 if "decode" in kinds:
+                    seen.append(measure_machine(count))
                     step_ms = bench_engine(plain, prompts, new_tokens)["step_ms"]
                     cost = step_cost(plain.model, plain.worker.pool, batch, batch, mean_context)
                     measured.append(("decode", batch, cost, step_ms / 1e3))
@@ -102,15 +103,21 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
                 spec = Engine.from_pretrained(path, speculative=ReplayDrafter(replay),
                                               num_speculative_tokens=speculative_tokens, **common)
                 for batch, prompts in workloads.items():
+                    seen.append(measure_machine(count))
                     step_ms = bench_engine(spec, prompts, new_tokens)["step_ms"]
                     tokens = batch * (speculative_tokens + 1)
                     cost = step_cost(spec.model, spec.worker.pool, tokens, batch, mean_context)
                     measured.append(("verify", batch, cost, step_ms / 1e3))
                 del spec
             if "extend" in kinds:
+                seen.append(measure_machine(count))
                 cost = step_cost(plain.model, plain.worker.pool, extend_tokens, 1, extend_tokens // 2)
                 measured.append(("extend", 1, cost, _time_extend(plain, extend_tokens)))
             del plain
+            seen.append(measure_machine(count))
+            machine = best_rates(seen)
+            machines.append(machine)
+            rate, matmul = machine["bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
             for kind, batch, cost, seconds in measured:
                 floor_s = max(cost["bytes"] / rate, cost["flops"] / matmul)
                 rows.append({"config": config_name, "threads": count, "step": kind, "batch": batch,
@@ -125,7 +132,8 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
 def roofline_table(machines: list[dict], rows: list[dict]) -> str:
     lines = [f"machine at {m['threads']} thread(s): {m['bandwidth_gb_s']:.1f} GB/s weight streaming (best of copy "
              f"{m['copy_gb_s']:.1f}, sum {m['reduce_gb_s']:.1f}, GEMV {m['gemv_gb_s']:.1f}), "
-             f"{m['matmul_gflop_s']:.1f} GFLOP/s fp32 matmul" for m in machines]
+             f"{m['matmul_gflop_s']:.1f} GFLOP/s fp32 matmul; best of {m['measurements']} measurements between "
+             f"the timings (the slowest streamed {m['lowest_bandwidth_gb_s']:.1f} GB/s)" for m in machines]
     head = ("| config | threads | step | batch | bound | MB/step | MFLOP/step | experts reached | floor ms/step | "
             "ms/step | achieved / floor |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "\n".join(

@@ -189,6 +189,9 @@ def test_roofline_prints_the_machine_and_each_step_kind_against_its_floor(capsys
     rates = [float(v) for v in re.findall(r"(?:copy|sum|GEMV) ([0-9.]+)", machine)]
     best = float(re.search(r": ([0-9.]+) GB/s", machine).group(1))
     assert len(rates) == 3 and best == pytest.approx(max(rates), abs=0.051)  # the floor's rate is the best of three
+    # measured before each of the three timings and after the last; the floor takes the best of those
+    slowest = float(re.search(r"slowest streamed ([0-9.]+) GB/s", machine).group(1))
+    assert "best of 4 measurements between the timings" in machine and slowest <= best
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| tiny |")]
     assert [(r[2].strip(), int(r[3])) for r in rows] == [("decode", 1), ("decode", 2), ("extend", 1)]
     mbytes = {(r[2].strip(), int(r[3])): float(r[5]) for r in rows}
@@ -199,3 +202,15 @@ def test_roofline_prints_the_machine_and_each_step_kind_against_its_floor(capsys
         mbytes, floor_ms, ms, ratio = float(r[5]), float(r[8]), float(r[9]), float(r[10])
         assert mbytes > 0 and floor_ms > 0 and ms > 0
         assert ratio == pytest.approx(floor_ms / ms, rel=0.05, abs=0.015)  # all three printed rounded
+
+
+def test_the_floor_of_a_run_takes_each_rate_at_its_best():
+    from inkling_compiled.floor import best_rates
+
+    def measured(copy, gemv, matmul):
+        return {"threads": 2, "copy_gb_s": copy, "reduce_gb_s": 1.0, "gemv_gb_s": gemv,
+                "bandwidth_gb_s": max(copy, 1.0, gemv), "matmul_gflop_s": matmul}
+
+    best = best_rates([measured(9.0, 12.0, 150.0), measured(11.0, 10.0, 160.0), measured(8.0, 7.0, 90.0)])
+    assert best == {"threads": 2, "measurements": 3, "lowest_bandwidth_gb_s": 8.0, "copy_gb_s": 11.0,
+                    "reduce_gb_s": 1.0, "gemv_gb_s": 12.0, "bandwidth_gb_s": 12.0, "matmul_gflop_s": 160.0}
