@@ -673,10 +673,11 @@ INKLING_INLINE void axpy_body(float s, const float* x, float* y, int64_t n) {
 typedef int32_t ivec16 __attribute__((vector_size(64)));
 
 // e^x in 16 lanes: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by Cephes' degree-7
-// polynomial, 2^n put in the exponent bits; within 2 ulp of std::exp, 0 below -87.3 (where std::exp
-// is denormal). The softmax and SiLU use it in place of 16 calls of std::exp.
+// polynomial, times 2^n (as 2^a 2^b, a + b = n, so that n = 128 still has exponent bits); within 2 ulp
+// of std::exp, 0 below -87.3 (where std::exp is denormal) and inf above log(FLT_MAX). The softmax and
+// SiLU use it in place of 16 calls of std::exp.
 INKLING_INLINE vec16 exp16(vec16 x) {
-  const vec16 lo = vec16{} - 87.3365447f, hi = vec16{} + 88.3762626f;
+  const vec16 lo = vec16{} - 87.3365447f, hi = vec16{} + 88.7228394f;
   const vec16 c = x < lo ? lo : (x > hi ? hi : x);
   const vec16 shifter = vec16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const vec16 n = (c * 1.44269504f + shifter) - shifter;
@@ -689,11 +690,13 @@ INKLING_INLINE vec16 exp16(vec16 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const vec16 e = p * (r * r) + r + 1.0f;
-  const ivec16 bits = (__builtin_convertvector(n, ivec16) + 127) << 23;
-  vec16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  const vec16 out = e * scale;
-  return x < lo ? vec16{} : out;
+  const ivec16 whole = __builtin_convertvector(n, ivec16), half = whole >> 1;
+  const ivec16 bits_a = (half + 127) << 23, bits_b = (whole - half + 127) << 23;
+  vec16 scale_a, scale_b;
+  std::memcpy(&scale_a, &bits_a, sizeof scale_a);
+  std::memcpy(&scale_b, &bits_b, sizeof scale_b);
+  const vec16 out = (e * scale_a) * scale_b;
+  return x < lo ? vec16{} : (x > hi ? vec16{} + INFINITY : out);
 }
 
 // exp16 over n floats in place; the tail through a padded copy.
@@ -875,8 +878,8 @@ void group_values_portable(const float* p, int64_t g, int64_t n, const float* ba
   group_values_body(p, g, n, base, stride, loc, hd, acc);
 }
 
-// Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE, in
-// the same order of terms per output (h = 0, 1, ...; 16 partial sums in W's layout).
+// Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE, the
+// terms of each output in order h = 0, 1, ... (16 partial sums in W's layout, added lane by lane).
 void matmul_outputs_portable(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
                              int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
   constexpr int64_t L = 16;
