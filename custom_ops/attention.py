@@ -1,4 +1,5 @@
-"""Decode attention: over a paged KV cache (global layers) and over each slot's ring (sliding layers).
+"""Attention ops. Decode: over a paged KV cache (global layers) and over each slot's ring (sliding
+layers). Prefill: packed chunks, each over its sequence's keys (`extend_attention`).
 
 Opaque ops so that the compiled step keeps one static shape while the kernel reads only the keys its
 rows need. The paged reference looks at `seq_lens` on the host to read just the pages the longest row
@@ -52,6 +53,35 @@ paged_attention = define(
     "Tensor cache_indices, Tensor seq_lens, int page_size, int rel_extent) -> Tensor",
     fake=lambda q, *args: torch.empty_like(q), reference=paged_attention_reference,
     cuda=gpu_kernel("attention", "paged_attention"))
+
+
+def extend_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                               tau: Optional[torch.Tensor], query_start_loc: torch.Tensor,
+                               key_start_loc: torch.Tensor, window: int, rel_extent: int) -> torch.Tensor:
+    """Packed prefill chunks: q [T, nh, hd], table [T, nh, E], tau [T] fp32 or None; k, v [S, nkv, hd].
+    Sequence b's keys are k[key_start_loc[b]:key_start_loc[b+1]], at consecutive positions (the history a
+    chunk reads from the cache, then the chunk's own), and its queries q[query_start_loc[b]:...+1] are
+    its last tokens: query i of L sees the keys up to its own, S - L + i (the last `window` of them when
+    `window` > 0). Each sequence is attended alone, so no other sequence's keys enter its arithmetic.
+    Returns [T, nh, hd]."""
+    qsl, ksl = query_start_loc.tolist(), key_start_loc.tolist()
+    outs = []
+    for b in range(len(qsl) - 1):
+        (q0, q1), (k0, k1) = (qsl[b], qsl[b + 1]), (ksl[b], ksl[b + 1])
+        k_pos = torch.arange(k1 - k0, device=q.device)
+        q_pos = k_pos[k1 - k0 - (q1 - q0):]
+        mask = torch.ones(1, q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
+        outs.append(attend(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], table[None, q0:q1], q_pos=q_pos[None],
+                           k_pos=k_pos[None], key_mask=mask, tau=None if tau is None else tau[None, q0:q1],
+                           window=window, rel_extent=rel_extent)[0])
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+
+# CUDA takes the reference (the recipe prefill ran before the op) until a Triton kernel lands.
+extend_attention = define(
+    "extend_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor? tau, Tensor query_start_loc, "
+    "Tensor key_start_loc, int window, int rel_extent) -> Tensor",
+    fake=lambda q, *args: torch.empty_like(q), reference=extend_attention_reference, cuda=extend_attention_reference)
 
 
 ring_attention = define(

@@ -20,7 +20,7 @@ import itertools
 import torch
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
-from .attention import attend, attend_from_scratch
+from .attention import attend_from_scratch
 from .cache import StatePool
 from .config import InklingConfig, LayerGeometry
 from .kv_layout import page_location, ring_location
@@ -152,23 +152,25 @@ class PoolContext:
         md = self.metadata
         qsl = md.query_start_loc.tolist()
         spans = list(zip(qsl[:-1], qsl[1:]))
-        firsts = md.positions[qsl[:-1]].tolist() if spans else []
+        if not spans:
+            return q.new_empty(q.shape)
+        firsts = md.positions[qsl[:-1]].tolist()
         slots = md.cache_indices.tolist()
         history = [self._cached_keys(g, k_cache, v_cache, slot, first) for slot, first in zip(slots, firsts)]
         torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
-        outs = []
+        keys, values, key_starts = [], [], [0]  # each row's history, then its chunk's own keys
         for row, ((start, end), (hk, hv, hpos)) in enumerate(zip(spans, history)):
-            pos = md.positions[start:end]
-            keys, values = torch.cat([hk, k[start:end]]), torch.cat([hv, v[start:end]])
-            k_pos = torch.cat([hpos, pos])
+            keys += [hk, k[start:end]]
+            values += [hv, v[start:end]]
+            key_starts.append(key_starts[-1] + len(hpos) + end - start)
             if g.sliding:
-                self._checkpoint_ring(layer_id, row, keys, values, firsts[row] - len(hpos))
-            tau = self.config.log_scale(pos)[None] if g.log_scaling else None
-            mask = torch.ones(1, end - start, len(k_pos), dtype=torch.bool, device=q.device)
-            outs.append(attend(q[None, start:end], keys[None], values[None], table[None, start:end], q_pos=pos[None],
-                               k_pos=k_pos[None], key_mask=mask, tau=tau, window=g.window or 0,
-                               rel_extent=g.rel_extent)[0])
-        return torch.cat(outs) if outs else q.new_empty(q.shape)
+                self._checkpoint_ring(layer_id, row, torch.cat(keys[-2:]), torch.cat(values[-2:]),
+                                      firsts[row] - len(hpos))
+        tau = self.config.log_scale(md.positions[qsl[0]:qsl[-1]]) if g.log_scaling else None
+        return torch.ops.inkling.extend_attention(q, torch.cat(keys), torch.cat(values), table, tau,
+                                                  md.query_start_loc[:len(qsl)],
+                                                  torch.tensor(key_starts, device=q.device), g.window or 0,
+                                                  g.rel_extent)
 
     def _checkpoint_ring(self, layer_id: int, row: int, keys, values, first_key: int) -> None:
         """This row's checkpoints of a sliding layer's ring (laid out as a slot's ring, R entries): entry

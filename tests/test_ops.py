@@ -1,5 +1,6 @@
 """Custom ops: opcheck, and CPU kernels bit-identical to plain per-request reference loops."""
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -137,7 +138,9 @@ def test_each_op_has_its_kernels_per_dispatch_key(op):
     cpu = registered(op, "CPU")
     assert ("inkling_cpu.cpp" in cpu) == (op in NATIVE_CPU_OPS), cpu
     assert registered(op, "CUDA").startswith(str(Path(__file__).resolve().parent.parent / "custom_ops"))
-    if op not in ("linear", "wait_layer"):
+    if op == "extend_attention":  # the reference on CUDA until its Triton kernel lands
+        assert KERNELS[op]["CUDA"] is KERNELS[op]["reference"]
+    elif op not in ("linear", "wait_layer"):
         assert KERNELS[op]["CUDA"].__name__.endswith(f".{op}")  # gpu/<module>.py's launcher, loaded on first call
     dump = torch._C._dispatch_dump(f"inkling::{op}")
     assert "CompositeExplicitAutograd:" not in dump and "CompositeImplicitAutograd:" not in dump
@@ -263,6 +266,10 @@ def op_samples():
     yield torch.ops.inkling.top_k_top_p.default, (
         torch.randn(3, 10, generator=g), torch.tensor([0, 3, 0]), torch.tensor([1.0, 1.0, 0.5]))
     yield torch.ops.inkling.wait_layer.default, ([pool[0], pool[1]], 0, 2)
+    for window, tau in ((0, torch.rand(5, generator=g) + 1), (4, None)):
+        yield torch.ops.inkling.extend_attention.default, (
+            torch.randn(5, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g),
+            torch.randn(5, 4, 6, generator=g), tau, torch.tensor([0, 3, 5]), torch.tensor([0, 6, 9]), window, 6)
     yield torch.ops.inkling.moe_experts.default, (
         torch.randn(3, 8, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]), torch.rand(3, 2, generator=g),
         torch.randn(3, 12, 8, generator=g), torch.randn(3, 8, 6, generator=g))
@@ -420,3 +427,55 @@ def test_the_native_silu_and_softmax_hold_far_from_zero():
     want = KERNELS["ring_attention"]["reference"](*(a.double() if torch.is_tensor(a) and a.is_floating_point() else a
                                                    for a in args))
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+
+def _packed_chunks(g, chunks, histories, nkv, group, hd=16, extent=20, dtype=torch.float32, tau=True):
+    """Random packed prefill chunks: sequence b has histories[b] cached keys, then chunks[b] new tokens."""
+    nh, T = nkv * group, sum(chunks)
+    S = sum(chunks) + sum(histories)
+    qsl = torch.tensor([0] + list(itertools.accumulate(chunks)))
+    ksl = torch.tensor([0] + list(itertools.accumulate(c + h for c, h in zip(chunks, histories))))
+    args = [torch.randn(T, nh, hd, generator=g), torch.randn(S, nkv, hd, generator=g),
+            torch.randn(S, nkv, hd, generator=g), torch.randn(T, nh, extent, generator=g) * 2]
+    args = [a.to(dtype) for a in args]
+    return args + [torch.rand(T, generator=g) + 0.5 if tau else None, qsl, ksl]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 24])
+def test_extend_attention_matches_its_reference_on_packed_chunks(dtype, window):
+    """Chunks of 1 to 300 tokens over histories that cross the window and the relative extent (20),
+    GQA ratios 1 to 8, the global layers' log scale and the sliding layers' window."""
+    g = torch.Generator().manual_seed(13 + window)
+    for nkv, group in [(1, 1), (2, 3), (1, 8)]:
+        args = _packed_chunks(g, [1, 7, 300, 33], [0, 50, 5, 19], nkv, group, dtype=dtype, tau=window == 0)
+        got = torch.ops.inkling.extend_attention(*args, window, 20)
+        want = KERNELS["extend_attention"]["reference"](*args, window, 20)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_extend_attention_reads_only_its_sequence_and_window():
+    """Another sequence's keys and values, and a sliding layer's keys past every query's window, are
+    never read: NaN there leaves the output unchanged (a hidden key's probability is 0, and 0 * NaN
+    is NaN)."""
+    g = torch.Generator().manual_seed(21)
+    q, k, v, table, _, qsl, ksl = _packed_chunks(g, [6, 40], [30, 70], 2, 2, tau=False)
+    window = 16
+    out = torch.ops.inkling.extend_attention(q, k, v, table, None, qsl, ksl, window, 20)
+    k2, v2 = k.clone(), v.clone()
+    k2[:36], v2[:36] = float("nan"), float("nan")  # sequence 0: all of it
+    first_seen = 70 - window + 1  # sequence 1's first query sits at key 70 and sees back to here
+    k2[36:36 + first_seen], v2[36:36 + first_seen] = float("nan"), float("nan")
+    got = torch.ops.inkling.extend_attention(q, k2, v2, table, None, qsl, ksl, window, 20)
+    assert torch.equal(got[6:], out[6:])
+
+
+def test_extend_attention_refuses_start_locations_that_do_not_fit():
+    g = torch.Generator().manual_seed(22)
+    q, k, v, table, tau, qsl, ksl = _packed_chunks(g, [4, 4], [0, 2], 1, 2)
+    with pytest.raises(RuntimeError, match="queries but"):
+        torch.ops.inkling.extend_attention(q, k, v, table, tau, torch.tensor([0, 6, 8]), torch.tensor([0, 4, 10]), 0, 20)
+    with pytest.raises(RuntimeError, match="cover q and k"):
+        torch.ops.inkling.extend_attention(q, k, v, table, tau, qsl, torch.tensor([0, 4, 9]), 0, 20)

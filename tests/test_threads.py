@@ -49,6 +49,10 @@ def _cases():
             r(3, 8, 64).to(dtype), r(960, 2, 64).to(dtype), r(960, 2, 64).to(dtype), r(3, 8, 20).to(dtype),
             torch.rand(3, generator=g) + 1, block_table, torch.tensor([2, 0, 1], dtype=torch.int32),
             torch.tensor([301, 257, 290], dtype=torch.int32), 4, 20), ()
+    for dtype in (torch.float32, torch.bfloat16):
+        yield f"extend_attention {dtype}", "extend_attention", (
+            r(90, 6, 64).to(dtype), r(260, 2, 64).to(dtype), r(260, 2, 64).to(dtype), r(90, 6, 30).to(dtype),
+            torch.rand(90, generator=g) + 1, torch.tensor([0, 3, 90]), torch.tensor([0, 100, 260]), 0, 30), ()
     yield "ring_attention", "ring_attention", (
         r(3, 8, 64), r(3 * 211, 2, 64), r(3 * 211, 2, 64), r(3, 8, 20), torch.tensor([250, 400, 100]),
         torch.tensor([1, 2, 0], dtype=torch.int32), 200, 20, 211), ()

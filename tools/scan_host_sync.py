@@ -43,7 +43,8 @@ TRACED = {
     "custom_ops/library.py": {"gpu_kernel"},
 }
 EAGER = {"InklingForCausalLM.forward_sequences", "PoolContext.prefill_attention", "PoolContext.checkpoint_conv",
-         "PoolContext._checkpoint_ring", "PoolContext._cached_keys"}
+         "PoolContext._checkpoint_ring", "PoolContext._cached_keys",
+         "extend_attention_reference"}  # the prefill op's CUDA kernel until its Triton one: eager prefill only
 
 
 def _called(node: ast.Call) -> str | None:

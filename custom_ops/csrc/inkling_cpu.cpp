@@ -320,6 +320,16 @@ struct PagedKeys {
   }
 };
 
+// Prefill chunks: each query row reads its own sequence's keys, packed one sequence after another at
+// consecutive positions (what the chunk reads from the cache, then its own), up to its own position,
+// and with a window only the last `window` of them.
+struct PackedKeys {
+  const int64_t* key_start;  // where each sequence's keys begin
+  int64_t window;            // 0: every earlier key
+  int64_t first(int64_t pos) const { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
+  int64_t location(int64_t sequence, int64_t p) const { return key_start[sequence] + p; }
+};
+
 struct RingKeys {
   int64_t window, ring_size;  // the ring holds ring_size >= window entries per slot
   int64_t first(int64_t pos) const { return pos - window + 1 > 0 ? pos - window + 1 : 0; }
@@ -347,18 +357,21 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t k0 = k_cache.stride(0), k1 = k_cache.stride(1), v0 = v_cache.stride(0), v1 = v_cache.stride(1);
   const float inv_hd = 1.0f / static_cast<float>(hd);
-  // Every row's key locations, rows one after another.
-  std::vector<int64_t> first_key(B), start(B + 1, 0), locs;
+  // Every row's first key and key count; a task lists a row's key locations when it takes the row
+  // (a prefill chunk's rows together would hold chunk x history of them).
+  std::vector<int64_t> first_key(B), start(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t pos = positions.data_ptr<int64_t>()[b], slot = idx.data_ptr<int32_t>()[b];
-    first_key[b] = keys.first(pos);
-    start[b + 1] = start[b] + pos - first_key[b] + 1;
-    for (int64_t p = first_key[b]; p <= pos; ++p) locs.push_back(keys.location(slot, p));
+    first_key[b] = keys.first(positions.data_ptr<int64_t>()[b]);
+    start[b + 1] = start[b] + positions.data_ptr<int64_t>()[b] - first_key[b] + 1;
   }
+  auto row_locations = [&](int64_t b, std::vector<int64_t>& loc) {
+    const int64_t slot = idx.data_ptr<int32_t>()[b], pos = positions.data_ptr<int64_t>()[b];
+    loc.clear();
+    for (int64_t p = first_key[b]; p <= pos; ++p) loc.push_back(keys.location(slot, p));
+  };
   // bf16: the scores of (row b, head h) into sh[0..n), each step rounded as attend() rounds it.
-  auto head_scores = [&](int64_t b, int64_t h, float* qs, float* sh) {
+  auto head_scores = [&](int64_t b, int64_t h, const int64_t* loc, float* qs, float* sh) {
     const int64_t pos = positions.data_ptr<int64_t>()[b], first = first_key[b], n = start[b + 1] - start[b];
-    const int64_t* loc = locs.data() + start[b];
     const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
     const scalar_t* qh = qp + (b * nh + h) * hd;
     for (int64_t d = 0; d < hd; ++d)
@@ -381,10 +394,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     const int64_t mean_keys = std::max<int64_t>(1, start[B] / std::max<int64_t>(1, B));
     at::parallel_for(0, B * nkv, task_grain(2 * group * mean_keys * hd), [&](int64_t begin, int64_t end) {
       std::vector<float> qs(group * hd), scores, bias, acc(group * hd);
+      std::vector<int64_t> locations;
+      int64_t listed = -1;  // the row `locations` holds
       for (int64_t bk = begin; bk < end; ++bk) {
         const int64_t b = bk / nkv, kvh = bk % nkv, n = start[b + 1] - start[b];
         const int64_t pos = positions.data_ptr<int64_t>()[b], first = first_key[b];
-        const int64_t* loc = locs.data() + start[b];
+        if (listed != b) row_locations(b, locations), listed = b;
+        const int64_t* loc = locations.data();
         const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
         const float* qg = qp + (b * nh + kvh * group) * hd;
         for (int64_t i = 0; i < group * hd; ++i) qs[i] = tau.defined() ? qg[i] * t : qg[i];
@@ -409,12 +425,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     const int64_t mean_keys = std::max<int64_t>(1, start[B] / std::max<int64_t>(1, B));
     at::parallel_for(0, B, task_grain(2 * nh * mean_keys * hd), [&](int64_t b0, int64_t b1) {
       std::vector<float> qs(hd), scores, probs, acc(hd);
+      std::vector<int64_t> locations;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n = start[b + 1] - start[b];
-        const int64_t* loc = locs.data() + start[b];
+        row_locations(b, locations);
+        const int64_t* loc = locations.data();
         scores.resize(nh * n);
         probs.resize(nh * n);
-        for (int64_t h = 0; h < nh; ++h) head_scores(b, h, qs.data(), scores.data() + h * n);
+        for (int64_t h = 0; h < nh; ++h) head_scores(b, h, loc, qs.data(), scores.data() + h * n);
         // ATen's own CPU softmax kernel (called directly, once per row, on the row's buffers): its
         // vectorized exp differs from std::exp in the last fp32 bit now and then, which is enough to
         // move a probability's bf16 rounding.
@@ -500,6 +518,35 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k_ring, const a
   }
   return decode_attention(q, k_ring, v_ring, table, std::nullopt, RingKeys{window, ring}, cache_indices, positions,
                           rel_extent, "ring_attention");
+}
+
+// Packed prefill chunks, each over its sequence's keys (see PackedKeys): every query is a decode row
+// whose keys are contiguous, so the decode kernel serves it, split over (query, kv head) pairs.
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                            const std::optional<at::Tensor>& tau, const at::Tensor& query_start_loc,
+                            const at::Tensor& key_start_loc, int64_t window, int64_t rel_extent) {
+  const auto qsl = query_start_loc.to(at::kLong).contiguous(), ksl = key_start_loc.to(at::kLong).contiguous();
+  const int64_t B = qsl.numel() - 1, T = q.size(0);
+  const int64_t* qs = qsl.data_ptr<int64_t>();
+  const int64_t* ks = ksl.data_ptr<int64_t>();
+  TORCH_CHECK(B >= 0 && ksl.numel() == B + 1, "extend_attention: query_start_loc and key_start_loc of one length");
+  TORCH_CHECK(window >= 0, "extend_attention: negative window");
+  TORCH_CHECK(B == 0 || (qs[0] == 0 && ks[0] == 0 && qs[B] == T && ks[B] == k.size(0)),
+              "extend_attention: the start locations must cover q and k");
+  auto sequence = at::empty({T}, at::TensorOptions().dtype(at::kInt));
+  auto positions = at::empty({T}, at::TensorOptions().dtype(at::kLong));
+  int32_t* sp = sequence.data_ptr<int32_t>();
+  int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = qs[b + 1] - qs[b], S = ks[b + 1] - ks[b];
+    TORCH_CHECK(L >= 0 && S >= L, "extend_attention: sequence ", b, " has ", L, " queries but ", S, " keys");
+    for (int64_t i = 0; i < L; ++i) {
+      sp[qs[b] + i] = static_cast<int32_t>(b);
+      pp[qs[b] + i] = S - L + i;  // the query's own key, the last it sees
+    }
+  }
+  return decode_attention(q, k, v, table, tau, PackedKeys{ks, window}, sequence, positions, rel_extent,
+                          "extend_attention");
 }
 
 // ---- small-M matmul: y[n, O] = x[n, H] @ W^T, W given as [O, H] in either memory layout ----------
@@ -1327,6 +1374,7 @@ TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("kv_write", &kv_write);
   m.impl("paged_attention", &paged_attention);
   m.impl("ring_attention", &ring_attention);
+  m.impl("extend_attention", &extend_attention);
   m.impl("moe_experts", &moe_experts);
   m.impl("top_k_top_p", &top_k_top_p);
   m.impl("linear", &linear);
