@@ -141,6 +141,12 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
   const int64_t tokens = x.size(0);
+  // The taps by position ([K, D]), so that the loops below run along channels and vectorise; each
+  // channel's terms are added in the reference's order.
+  std::vector<float> by_position(K * D);
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t k = 0; k < K; ++k) by_position[k * D + d] = wp[d * K + k];
+  const float* taps = by_position.data();
   at::parallel_for(0, D, task_grain(std::max<int64_t>(1, tokens) * K), [&](int64_t d0, int64_t d1) {
     std::vector<float> hist(H * D);  // each sequence's history, for this task's channels
     for (int64_t b = 0; b < B; ++b) {
@@ -148,22 +154,22 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
       for (int64_t j = 0; j < H; ++j)
         for (int64_t d = d0; d < d1; ++d) hist[j * D + d] = hp[b] ? win[j * s1 + d] : 0.0f;
       const int64_t start = qp[b], end = qp[b + 1];
-      auto tap = [&](int64_t src, int64_t d) -> float {
-        return src >= start ? xp[src * D + d] : hist[(H - (start - src)) * D + d];
+      // The input row at token src: this chunk's own, or the history before it.
+      auto row = [&](int64_t src) -> const float* {
+        return src >= start ? xp + src * D : hist.data() + (H - (start - src)) * D;
       };
       for (int64_t t = start; t < end; ++t) {
-        for (int64_t d = d0; d < d1; ++d) {
-          const float* wd = wp + d * K;
-          float acc = xp[t * D + d] * wd[K - 1];
-          for (int64_t back = 1; back < K; ++back) {
-            const float prod = tap(t - back, d) * wd[K - 1 - back];
-            acc = acc + prod;
-          }
-          yp[t * D + d] = acc;
+        const float* __restrict xt = xp + t * D;
+        const float* __restrict last = taps + (K - 1) * D;
+        float* __restrict yt = yp + t * D;
+        for (int64_t d = d0; d < d1; ++d) yt[d] = xt[d] * last[d];
+        for (int64_t back = 1; back < K; ++back) {
+          const float* __restrict held = row(t - back);
+          const float* __restrict tap = taps + (K - 1 - back) * D;
+          for (int64_t d = d0; d < d1; ++d) yt[d] = yt[d] + held[d] * tap[d];
         }
       }
-      for (int64_t j = 0; j < H; ++j)
-        for (int64_t d = d0; d < d1; ++d) win[j * s1 + d] = tap(end - H + j, d);
+      for (int64_t j = 0; j < H; ++j) std::memcpy(win + j * s1 + d0, row(end - H + j) + d0, (d1 - d0) * sizeof(float));
     }
   });
   return y;
