@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from inkling_compiled.attention import attend, attend_ring
+from inkling_compiled.attention import attend, attend_packed, attend_ring
 from inkling_compiled.kv_layout import page_location, pages_for
 
 from .library import define, gpu_kernel
@@ -65,16 +65,8 @@ def extend_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     `window` > 0). Each sequence is attended alone, so no other sequence's keys enter its arithmetic.
     Returns [T, nh, hd]."""
     qsl, ksl = query_start_loc.tolist(), key_start_loc.tolist()
-    outs = []
-    for b in range(len(qsl) - 1):
-        (q0, q1), (k0, k1) = (qsl[b], qsl[b + 1]), (ksl[b], ksl[b + 1])
-        k_pos = torch.arange(k1 - k0, device=q.device)
-        q_pos = k_pos[k1 - k0 - (q1 - q0):]
-        mask = torch.ones(1, q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
-        outs.append(attend(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], table[None, q0:q1], q_pos=q_pos[None],
-                           k_pos=k_pos[None], key_mask=mask, tau=None if tau is None else tau[None, q0:q1],
-                           window=window, rel_extent=rel_extent)[0])
-    return torch.cat(outs) if outs else q.new_empty(q.shape)
+    return attend_packed(q, k, v, table, tau, list(zip(qsl[:-1], qsl[1:])), list(zip(ksl[:-1], ksl[1:])), window,
+                         rel_extent)
 
 
 # CUDA takes the reference (the recipe prefill ran before the op) until a Triton kernel lands.

@@ -50,22 +50,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tenso
     return torch.einsum("gths,gshd->gthd", probs, v)
 
 
+def attend_packed(q, k, v, table, tau, query_spans: list[tuple[int, int]], key_spans: list[tuple[int, int]],
+                  window: int, rel_extent: int) -> torch.Tensor:
+    """Packed sequences, each attending over its own keys: q [T, nh, hd], table [T, nh, E], tau [T] or
+    None; k, v [S, nkv, hd]. Sequence b's queries q[query_spans[b]] are the last tokens of its keys
+    k[key_spans[b]], which sit at consecutive positions: query i of L over S keys sees up to key
+    S - L + i. Each sequence is its own group, so no sequence's keys or values enter another's
+    arithmetic (and memory is the sum of its queries times its keys, not T x S)."""
+    outs = []
+    for (q0, q1), (k0, k1) in zip(query_spans, key_spans):
+        k_pos = torch.arange(k1 - k0, device=q.device)[None]
+        key_mask = torch.ones(1, q1 - q0, k1 - k0, dtype=torch.bool, device=q.device)
+        outs.append(attend(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], table[None, q0:q1],
+                           q_pos=k_pos[:, k1 - k0 - (q1 - q0):], k_pos=k_pos, key_mask=key_mask,
+                           tau=None if tau is None else tau[None, q0:q1], window=window, rel_extent=rel_extent)[0])
+    return torch.cat(outs) if outs else q.new_empty(q.shape)
+
+
 def attend_from_scratch(config: InklingConfig, g: LayerGeometry, q, k, v, table, positions,
                         spans: list[tuple[int, int]]) -> torch.Tensor:
-    """Packed sequences attending over their own new tokens only (nothing cached before them).
-
-    q [T, nh, hd], k/v [T, nkv, hd], table [T, nh, E], positions [T]; `spans` are the (start, end)
-    packed offsets of the sequences. Each sequence is its own group, so no sequence's keys or values
-    enter another's arithmetic (and memory is the sum of the squared lengths, not T squared)."""
-    outs = []
-    for start, end in spans:
-        pos = positions[start:end][None]
-        tau = config.log_scale(pos) if g.log_scaling else None
-        key_mask = torch.ones(1, end - start, end - start, dtype=torch.bool, device=q.device)
-        outs.append(attend(q[None, start:end], k[None, start:end], v[None, start:end], table[None, start:end],
-                           q_pos=pos, k_pos=pos, key_mask=key_mask, tau=tau, window=g.window or 0,
-                           rel_extent=g.rel_extent)[0])
-    return torch.cat(outs) if outs else q.new_empty(q.shape)
+    """Packed sequences attending over their own new tokens only (nothing cached before them): q [T, nh,
+    hd], k/v [T, nkv, hd], table [T, nh, E], positions [T]; `spans` are the (start, end) packed offsets."""
+    tau = config.log_scale(positions) if g.log_scaling else None
+    return attend_packed(q, k, v, table, tau, spans, spans, g.window or 0, g.rel_extent)
 
 
 def attend_ring(q, k_ring, v_ring, table, positions, cache_indices, window: int, rel_extent: int,

@@ -147,8 +147,9 @@ class PoolContext:
         """Eager prefill only (never traced: the host-sync scan knows it as such). Each row is a chunk of
         its prompt: it attends to the keys cached before it (every earlier position on a global layer,
         the last W-1 on a sliding one) and causally to its own. The cached keys are read before this
-        chunk's are written: a sliding layer's ring may overwrite them. Memory per row is chunk x
-        (history + chunk), never the whole prompt squared."""
+        chunk's are written: a sliding layer's ring may overwrite them. One `extend_attention` call serves
+        every row: its C++ kernel's memory is linear in the chunk, its reference's (CUDA's today) chunk x
+        (history + chunk) per row, never the whole prompt squared."""
         md = self.metadata
         qsl = md.query_start_loc.tolist()
         spans = list(zip(qsl[:-1], qsl[1:]))
@@ -159,16 +160,17 @@ class PoolContext:
         history = [self._cached_keys(g, k_cache, v_cache, slot, first) for slot, first in zip(slots, firsts)]
         torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
         keys, values, key_starts = [], [], [0]  # each row's history, then its chunk's own keys
-        for row, ((start, end), (hk, hv, hpos)) in enumerate(zip(spans, history)):
+        for (start, end), (hk, hv, hpos) in zip(spans, history):
             keys += [hk, k[start:end]]
             values += [hv, v[start:end]]
             key_starts.append(key_starts[-1] + len(hpos) + end - start)
-            if g.sliding:
-                self._checkpoint_ring(layer_id, row, torch.cat(keys[-2:]), torch.cat(values[-2:]),
-                                      firsts[row] - len(hpos))
+        keys, values = torch.cat(keys), torch.cat(values)
+        if g.sliding:
+            for row, (first, (_, _, hpos)) in enumerate(zip(firsts, history)):
+                rows_keys = slice(key_starts[row], key_starts[row + 1])
+                self._checkpoint_ring(layer_id, row, keys[rows_keys], values[rows_keys], first - len(hpos))
         tau = self.config.log_scale(md.positions[qsl[0]:qsl[-1]]) if g.log_scaling else None
-        return torch.ops.inkling.extend_attention(q, torch.cat(keys), torch.cat(values), table, tau,
-                                                  md.query_start_loc[:len(qsl)],
+        return torch.ops.inkling.extend_attention(q, keys, values, table, tau, md.query_start_loc[:len(qsl)],
                                                   torch.tensor(key_starts, device=q.device), g.window or 0,
                                                   g.rel_extent)
 

@@ -71,6 +71,15 @@ void check_state(const at::Tensor& state, const at::Tensor& x) {
   TORCH_CHECK(state.dim() == 3 && state.stride(2) == 1, "conv state must be [slots, K-1, D] with unit channel stride");
 }
 
+// The conv taps [D, K] by position ([K, D]) into `taps`, so that the conv loops run along channels and
+// vectorise; returns its data.
+const float* taps_by_position(const float* w, int64_t D, int64_t K, std::vector<float>& taps) {
+  taps.resize(K * D);
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t k = 0; k < K; ++k) taps[k * D + d] = w[d * K + k];
+  return taps.data();
+}
+
 // y[b] = sum over the window [state[slot] (K-1 rows), x[b]] of tap * weight; then the window shifts in x[b].
 at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tensor& weight_in,
                         const at::Tensor& cache_indices, int64_t layer_id, int64_t stream) {
@@ -87,13 +96,8 @@ at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tens
   float* sp = state.data_ptr<float>();
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
-  // The taps by position ([K, D], kept with the thread) so that every loop below runs along channels
-  // and vectorises; each channel's terms are still added in the reference's order.
-  thread_local std::vector<float> by_position;
-  by_position.resize(K * D);
-  float* taps = by_position.data();
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t k = 0; k < K; ++k) taps[k * D + d] = wp[d * K + k];
+  thread_local std::vector<float> by_position;  // kept with the thread: a decode step allocates nothing
+  const float* taps = taps_by_position(wp, D, K, by_position);
   // Channels are independent: split over the intra-op pool by channel ranges.
   at::parallel_for(0, D, task_grain(B * K), [&](int64_t d0, int64_t d1) {
     for (int64_t b = 0; b < B; ++b) {
@@ -102,7 +106,7 @@ at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tens
       float* __restrict yb = yp + b * D;
       const float* __restrict last = taps + (K - 1) * D;
       for (int64_t d = d0; d < d1; ++d) yb[d] = xb[d] * last[d];
-      for (int64_t back = 1; back < K; ++back) {
+      for (int64_t back = 1; back < K; ++back) {  // each channel's terms in the reference's order
         const float* __restrict held = win + (K - 1 - back) * s1;
         const float* __restrict tap = taps + (K - 1 - back) * D;
         for (int64_t d = d0; d < d1; ++d) yb[d] = yb[d] + held[d] * tap[d];
@@ -141,12 +145,8 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
   const int64_t tokens = x.size(0);
-  // The taps by position ([K, D]), so that the loops below run along channels and vectorise; each
-  // channel's terms are added in the reference's order.
-  std::vector<float> by_position(K * D);
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t k = 0; k < K; ++k) by_position[k * D + d] = wp[d * K + k];
-  const float* taps = by_position.data();
+  std::vector<float> by_position;
+  const float* taps = taps_by_position(wp, D, K, by_position);
   at::parallel_for(0, D, task_grain(std::max<int64_t>(1, tokens) * K), [&](int64_t d0, int64_t d1) {
     std::vector<float> hist(H * D);  // each sequence's history, for this task's channels
     for (int64_t b = 0; b < B; ++b) {
@@ -308,7 +308,8 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, co
 // product, bias*tau and the score sum; the softmax is ATen's fp32 softmax of the rounded scores, its
 // probabilities rounded to bf16; p.v is summed in fp32 and the output rounded once, as ATen's bf16
 // matmul does.
-// fp32 dot product and y += s * x, built per instruction set with the matmul below.
+// fp32 decode attention's pieces (see group_dots_body and below), built per instruction set with the
+// matmul.
 void fp32_group_dots(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride, const int64_t* loc,
                      int64_t n, float* s);
 void fp32_group_values(const float* p, int64_t g, int64_t n, const float* base, int64_t stride, const int64_t* loc,
@@ -893,43 +894,25 @@ INKLING_INLINE void group_values_body(const float* p, int64_t g, int64_t n, cons
   else group_values_rows<0>(p, g, n, base, stride, loc, hd, acc);
 }
 
-#define INKLING_VECTOR_FOR(isa_name, features)                                                           \
-  __attribute__((target(features), optimize("fp-contract=fast"))) void group_dots_##isa_name(            \
-      const float* q, int64_t g, int64_t hd, const float* base, int64_t stride, const int64_t* loc,        \
-      int64_t n, float* s) {                                                                               \
-    group_dots_body(q, g, hd, base, stride, loc, n, s);                                                    \
-  }                                                                                                       \
-  __attribute__((target(features), optimize("fp-contract=fast"))) void group_values_##isa_name(          \
-      const float* p, int64_t g, int64_t n, const float* base, int64_t stride, const int64_t* loc,         \
-      int64_t hd, float* acc) {                                                                            \
-    group_values_body(p, g, n, base, stride, loc, hd, acc);                                                \
+// Built per instruction set, like the matmul; `attributes` empty gives the portable build.
+#define INKLING_VECTOR_FOR(isa_name, attributes)                                                              \
+  attributes void group_dots_##isa_name(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride, \
+                                        const int64_t* loc, int64_t n, float* s) {                              \
+    group_dots_body(q, g, hd, base, stride, loc, n, s);                                                        \
+  }                                                                                                            \
+  attributes void group_values_##isa_name(const float* p, int64_t g, int64_t n, const float* base,             \
+                                          int64_t stride, const int64_t* loc, int64_t hd, float* acc) {         \
+    group_values_body(p, g, n, base, stride, loc, hd, acc);                                                    \
+  }                                                                                                            \
+  attributes void softmax_rows_##isa_name(float* s, const float* bias, int64_t g, int64_t n, float scale) {    \
+    softmax_rows_body(s, bias, g, n, scale);                                                                   \
+  }                                                                                                            \
+  attributes void silu_mul_##isa_name(const float* gu, int64_t rows, int64_t I, float* act) {                  \
+    silu_mul_body(gu, rows, I, act);                                                                           \
   }
-INKLING_VECTOR_FOR(avx512, "avx512f,avx512vl,avx2,fma")
-INKLING_VECTOR_FOR(avx2, "avx2,fma")
-
-#define INKLING_EXP_FOR(isa_name, features)                                                              \
-  __attribute__((target(features), optimize("fp-contract=fast"))) void softmax_rows_##isa_name(          \
-      float* s, const float* bias, int64_t g, int64_t n, float scale) {                                   \
-    softmax_rows_body(s, bias, g, n, scale);                                                              \
-  }                                                                                                       \
-  __attribute__((target(features), optimize("fp-contract=fast"))) void silu_mul_##isa_name(              \
-      const float* gu, int64_t rows, int64_t I, float* act) {                                             \
-    silu_mul_body(gu, rows, I, act);                                                                      \
-  }
-INKLING_EXP_FOR(avx512, "avx512f,avx512vl,avx2,fma")
-INKLING_EXP_FOR(avx2, "avx2,fma")
-void softmax_rows_portable(float* s, const float* bias, int64_t g, int64_t n, float scale) {
-  softmax_rows_body(s, bias, g, n, scale);
-}
-void silu_mul_portable(const float* gu, int64_t rows, int64_t I, float* act) { silu_mul_body(gu, rows, I, act); }
-void group_dots_portable(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride,
-                         const int64_t* loc, int64_t n, float* s) {
-  group_dots_body(q, g, hd, base, stride, loc, n, s);
-}
-void group_values_portable(const float* p, int64_t g, int64_t n, const float* base, int64_t stride,
-                           const int64_t* loc, int64_t hd, float* acc) {
-  group_values_body(p, g, n, base, stride, loc, hd, acc);
-}
+INKLING_VECTOR_FOR(avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"), optimize("fp-contract=fast"))))
+INKLING_VECTOR_FOR(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))))
+INKLING_VECTOR_FOR(portable, )
 
 // Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE, the
 // terms of each output in order h = 0, 1, ... (16 partial sums in W's layout, added lane by lane).
