@@ -119,9 +119,11 @@ class PoolContext:
         K = self.config.conv_kernel_size
         name, index = self.pool.layer_index(layer_id, stream)
         for c in self.checkpoints:
-            # the window before the chunk (positions first-K+1 .. first-1), then the chunk's inputs
-            inputs = torch.cat([before[c.row], x32[c.packed_start:c.packed_start + c.boundary - c.first]])
-            self.pool.conv_checkpoints[name][index, c.index] = inputs[c.boundary - c.first:c.boundary - c.first + K - 1]
+            # the window before the chunk (positions first-K+1 .. first-1), then at most the K-1 chunk
+            # inputs before the boundary: the last K-1 of those rows are the window at the boundary
+            end = c.packed_start + c.boundary - c.first
+            inputs = torch.cat([before[c.row], x32[max(c.packed_start, end - (K - 1)):end]])
+            self.pool.conv_checkpoints[name][index, c.index] = inputs[inputs.shape[0] - (K - 1):]
 
     def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
         md = self.metadata

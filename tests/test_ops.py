@@ -114,6 +114,13 @@ def test_every_instruction_set_build_of_the_matmul_matches_f_linear(isa):
         "    args = (torch.randn(3, 2, 9, generator=g), torch.tensor([2, 9, 30]), torch.tensor([1, 2, 0], dtype=torch.int32), 8, 9)\n"
         "    got = torch.ops.inkling.ring_attention(q, k, v, *args)\n"
         "    worst = max(worst, (got - attend_ring(q, k, v, *args)).abs().max().item())\n"
+        "from inkling_compiled.custom_ops.attention import extend_attention_reference\n"
+        "for hd, group, window in ((16, 3, 0), (20, 8, 5), (64, 1, 0)):  # prefill tiles: lanes left idle, a tail\n"
+        "    q, table = torch.randn(40, 2 * group, hd, generator=g), torch.randn(40, 2 * group, 9, generator=g)\n"
+        "    k, v = torch.randn(60, 2, hd, generator=g), torch.randn(60, 2, hd, generator=g)\n"
+        "    args = (q, k, v, table, torch.rand(40, generator=g) + 0.5, torch.tensor([0, 3, 40]), torch.tensor([0, 13, 60]), window, 9)\n"
+        "    got = torch.ops.inkling.extend_attention(*args)\n"
+        "    worst = max(worst, (got - extend_attention_reference(*args)).abs().max().item())\n"
         "print(cpu_isa(), worst)")
     env = {**os.environ, "INKLING_CPU_ISA": isa, "INKLING_FEW_ROWS": "64"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)

@@ -86,6 +86,21 @@ def test_edges_of_a_prefix(checkpoint, hf_greedy):
     assert_no_leaks(engine)
 
 
+def test_checkpoints_a_token_or_two_past_a_chunk_start(checkpoint, hf_greedy):
+    """Chunks of 7 put page boundaries 1, 2, 3 ... tokens past a chunk's start, where a conv checkpoint
+    takes most of its window from the row's state before the chunk, and two prompts prefilled together
+    put another sequence's tokens just before the chunk in the packed step. Resuming from each boundary
+    matches transformers."""
+    engine = engine_for(checkpoint, "tiny", prefill_chunk_tokens=7, prefix_checkpoints=64)
+    bases = [random_prompt(40, seed=30), random_prompt(40, seed=31)]
+    engine.generate(bases, PARAMS)
+    prompts = [base[:cut] + random_prompt(4, seed=40 + cut) for base in bases for cut in (9, 17, 25)]
+    for prompt, out in zip(prompts, engine.generate(prompts, PARAMS)):
+        assert out.cached_tokens == (len(prompt) - 4) // PAGE * PAGE
+        assert_matches(hf_greedy, "tiny", prompt, out)
+    assert_no_leaks(engine)
+
+
 def test_a_hit_then_abort_then_reuse(checkpoint, hf_greedy):
     engine = engine_for(checkpoint, "tiny")
     base = random_prompt(30, seed=9)

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <shared_mutex>
 #include <unordered_map>
 #include <utility>
@@ -315,6 +316,11 @@ void fp32_group_dots(const float* q, int64_t g, int64_t hd, const float* base, i
 void fp32_group_values(const float* p, int64_t g, int64_t n, const float* base, int64_t stride, const int64_t* loc,
                        int64_t hd, float* acc);
 void fp32_softmax_rows(float* s, const float* bias, int64_t g, int64_t n, float scale);
+// fp32 prefill attention's tiles (see kTileLanes below), built per instruction set likewise.
+void fp32_tile_scores(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n, float scale, float* s);
+void fp32_tile_softmax_values(float* s, int64_t n, const int32_t* lo, const int32_t* hi, const float* v,
+                              int64_t vs, int64_t hd, float* ot);
+constexpr int64_t kTileLanes = 32;
 
 // Where a decode row's keys are: global layers read pages through the block table, positions 0..pos;
 // sliding layers read positions pos-window+1..pos from the slot's ring (entry p % ring_size).
@@ -527,8 +533,68 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k_ring, const a
                           rel_extent, "ring_attention");
 }
 
-// Packed prefill chunks, each over its sequence's keys (see PackedKeys): every query is a decode row
-// whose keys are contiguous, so the decode kernel serves it, split over (query, kv head) pairs.
+// fp32 packed prefill chunks in tiles (see kTileLanes): a tile is (sequence, kv head, a few consecutive
+// queries), its lanes those queries x the kv head's query heads, and it reads the keys from its first
+// query's first to its last query's own once for all of them. Tiles are the intra-op pool's tasks and
+// each writes outputs no other writes, in the same order at any thread count.
+void extend_attention_tiled(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                            const at::Tensor& tau, const int64_t* qs, const int64_t* ks, int64_t B, int64_t window,
+                            int64_t rel_extent, at::Tensor& out) {
+  const int64_t nh = q.size(1), hd = q.size(2), nkv = k.size(1), group = nh / nkv, E = table.size(2);
+  const int64_t per_tile = std::max<int64_t>(1, kTileLanes / group);
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, its first query)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < qs[b + 1] - qs[b]; i += per_tile) tiles.emplace_back(b, i);
+  const float* qp = q.data_ptr<float>();
+  const float* tp = table.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* taup = tau.defined() ? tau.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1);
+  const float inv_hd = 1.0f / static_cast<float>(hd);
+  const int64_t mean_keys = std::max<int64_t>(1, k.size(0) / std::max<int64_t>(1, B));
+  const int64_t tasks = static_cast<int64_t>(tiles.size()) * nkv;
+  at::parallel_for(0, tasks, task_grain(2 * kTileLanes * mean_keys * hd), [&](int64_t begin, int64_t end) {
+    std::vector<float> qt(hd * kTileLanes), scores, ot(hd * kTileLanes);
+    int32_t lo[kTileLanes], hi[kTileLanes];
+    for (int64_t task = begin; task < end; ++task) {
+      const auto [b, i0] = tiles[task / nkv];
+      const int64_t kvh = task % nkv, L = qs[b + 1] - qs[b], S = ks[b + 1] - ks[b];
+      const int64_t i1 = std::min(L, i0 + per_tile), lanes = (i1 - i0) * group;
+      auto first_key = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
+      const int64_t key0 = first_key(S - L + i0), n = S - L + i1 - key0;  // keys [key0, own key of the last query]
+      std::fill(qt.begin(), qt.end(), 0.0f);
+      for (int64_t m = 0; m < kTileLanes; ++m) lo[m] = 0, hi[m] = static_cast<int32_t>(n - 1);  // idle lanes: harmless
+      for (int64_t m = 0; m < lanes; ++m) {
+        const int64_t i = i0 + m / group, row = qs[b] + i, head = kvh * group + m % group, pos = S - L + i;
+        const float t = taup ? taup[row] : 1.0f;
+        const float* qh = qp + (row * nh + head) * hd;
+        for (int64_t d = 0; d < hd; ++d) qt[d * kTileLanes + m] = taup ? qh[d] * t : qh[d];
+        lo[m] = static_cast<int32_t>(first_key(pos) - key0);
+        hi[m] = static_cast<int32_t>(pos - key0);
+      }
+      scores.resize(n * kTileLanes);
+      fp32_tile_scores(qt.data(), hd, kp + (ks[b] + key0) * k0 + kvh * k1, k0, n, inv_hd, scores.data());
+      for (int64_t m = 0; m < lanes; ++m) {  // the relative bias: the band of distances < rel_extent
+        const int64_t row = qs[b] + i0 + m / group, head = kvh * group + m % group;
+        const float t = taup ? taup[row] : 1.0f;
+        const float* th = tp + (row * nh + head) * E;
+        const int64_t band = std::min<int64_t>(rel_extent, hi[m] - lo[m] + 1);
+        for (int64_t dist = 0; dist < band; ++dist) scores[(hi[m] - dist) * kTileLanes + m] += th[dist] * t;
+      }
+      fp32_tile_softmax_values(scores.data(), n, lo, hi, vp + (ks[b] + key0) * v0 + kvh * v1, v0, hd, ot.data());
+      for (int64_t m = 0; m < lanes; ++m) {
+        float* oh = op + ((qs[b] + i0 + m / group) * nh + kvh * group + m % group) * hd;
+        for (int64_t d = 0; d < hd; ++d) oh[d] = ot[d * kTileLanes + m];
+      }
+    }
+  });
+}
+
+// Packed prefill chunks, each over its sequence's keys (see PackedKeys). fp32 goes in tiles (above);
+// bf16, which rounds as attend() does at every step, takes every query as a decode row whose keys are
+// contiguous, split over (query, kv head) pairs.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                             const std::optional<at::Tensor>& tau, const at::Tensor& query_start_loc,
                             const at::Tensor& key_start_loc, int64_t window, int64_t rel_extent) {
@@ -540,6 +606,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(window >= 0, "extend_attention: negative window");
   TORCH_CHECK(B == 0 || (qs[0] == 0 && ks[0] == 0 && qs[B] == T && ks[B] == k.size(0)),
               "extend_attention: the start locations must cover q and k");
+  TORCH_CHECK(!tau.has_value() || tau->numel() == T, "extend_attention: one tau per query expected, got ",
+              tau.has_value() ? tau->numel() : 0, " for ", T);
   auto sequence = at::empty({T}, at::TensorOptions().dtype(at::kInt));
   auto positions = at::empty({T}, at::TensorOptions().dtype(at::kLong));
   int32_t* sp = sequence.data_ptr<int32_t>();
@@ -551,6 +619,18 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
       sp[qs[b] + i] = static_cast<int32_t>(b);
       pp[qs[b] + i] = S - L + i;  // the query's own key, the last it sees
     }
+  }
+  const int64_t group = k.size(1) >= 1 && q.size(1) % k.size(1) == 0 ? q.size(1) / k.size(1) : 0;
+  if (q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+      group >= 1 && group <= kTileLanes && k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1 &&
+      q.dim() == 3 && table.dim() == 3 && table.size(0) == T && table.size(1) == q.size(1) &&
+      rel_extent >= 0 && rel_extent <= table.size(2)) {
+    const auto qc = q.contiguous(), tc = table.to(at::kFloat).contiguous();
+    at::Tensor tc_tau;
+    if (tau.has_value()) tc_tau = tau->to(at::kFloat).contiguous();
+    auto out = at::empty_like(qc);
+    extend_attention_tiled(qc, k, v, tc, tc_tau, qs, ks, B, window, rel_extent, out);
+    return out;
   }
   return decode_attention(q, k, v, table, tau, PackedKeys{ks, window}, sequence, positions, rel_extent,
                           "extend_attention");
@@ -894,6 +974,92 @@ INKLING_INLINE void group_values_body(const float* p, int64_t g, int64_t n, cons
   else group_values_rows<0>(p, g, n, base, stride, loc, hd, acc);
 }
 
+// Prefill attention in tiles: up to kTileLanes (query, head) lanes of one sequence and kv head (a
+// few consecutive queries x the heads that share the kv head) over the n consecutive keys they read.
+// Scores are kept transposed, [key][lane], so that each element of a key row, broadcast once, serves
+// every lane in two registers: four keys at a time make eight accumulators, and the values likewise
+// eight head_dim columns at a time. The decode kernels above read each key once per query instead.
+
+// s[j][m] = scale * (q_m . k_j) for keys j = j0 .. j0 + C - 1 (row j at k + j * ks); qt is q^T, [hd][lanes].
+template <int C>
+INKLING_INLINE void tile_dots(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t j0, float scale,
+                              float* s) {
+  vec16 acc[C][2] = {};
+  for (int64_t d = 0; d < hd; ++d) {
+    const vec16 q0 = load16(qt + d * kTileLanes), q1 = load16(qt + d * kTileLanes + 16);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const float kd = k[(j0 + c) * ks + d];
+      acc[c][0] += kd * q0;
+      acc[c][1] += kd * q1;
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    store16(s + (j0 + c) * kTileLanes, acc[c][0] * scale);
+    store16(s + (j0 + c) * kTileLanes + 16, acc[c][1] * scale);
+  }
+}
+
+INKLING_INLINE void tile_scores_body(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n, float scale,
+                                     float* s) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) tile_dots<4>(qt, hd, k, ks, j, scale, s);
+  for (; j < n; ++j) tile_dots<1>(qt, hd, k, ks, j, scale, s);
+}
+
+// ot[d][m] += sum_j p[j][m] v_j[d] for columns d = d0 .. d0 + C - 1.
+template <int C>
+INKLING_INLINE void tile_values(const float* p, int64_t n, const float* v, int64_t vs, int64_t d0, float* ot) {
+  vec16 acc[C][2] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const vec16 p0 = load16(p + j * kTileLanes), p1 = load16(p + j * kTileLanes + 16);
+    const float* vj = v + j * vs + d0;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      acc[c][0] += vj[c] * p0;
+      acc[c][1] += vj[c] * p1;
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    store16(ot + (d0 + c) * kTileLanes, acc[c][0]);
+    store16(ot + (d0 + c) * kTileLanes + 16, acc[c][1]);
+  }
+}
+
+// Lane m sees keys [lo[m], hi[m]] of the n: each lane's softmax over those (the others get probability
+// exactly 0 and their scores are never read, so nothing there, NaN included, reaches the lane), then
+// ot = p v / the lane's sum.
+INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const int32_t* lo, const int32_t* hi,
+                                             const float* v, int64_t vs, int64_t hd, float* ot) {
+  vec16 lo_v[2], hi_v[2];  // as floats: exact below 2^24 keys, and compared in the float registers
+  for (int64_t m = 0; m < kTileLanes; ++m) lo_v[m / 16][m % 16] = static_cast<float>(lo[m]);
+  for (int64_t m = 0; m < kTileLanes; ++m) hi_v[m / 16][m % 16] = static_cast<float>(hi[m]);
+  const vec16 hidden = vec16{} - INFINITY;
+  vec16 mx[2] = {hidden, hidden};
+  for (int64_t j = 0; j < n; ++j) {
+    const vec16 at = vec16{} + static_cast<float>(j);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      vec16 x = load16(s + j * kTileLanes + 16 * h);
+      x = at < lo_v[h] ? hidden : (at > hi_v[h] ? hidden : x);
+      store16(s + j * kTileLanes + 16 * h, x);
+      mx[h] = x > mx[h] ? x : mx[h];
+    }
+  }
+  vec16 total[2] = {};
+  for (int64_t j = 0; j < n; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const vec16 e = exp16(load16(s + j * kTileLanes + 16 * h) - mx[h]);
+      store16(s + j * kTileLanes + 16 * h, e);
+      total[h] += e;
+    }
+  int64_t d = 0;
+  for (; d + 8 <= hd; d += 8) tile_values<8>(s, n, v, vs, d, ot);
+  for (; d < hd; ++d) tile_values<1>(s, n, v, vs, d, ot);
+  for (d = 0; d < hd; ++d)
+    for (int h = 0; h < 2; ++h) store16(ot + d * kTileLanes + 16 * h, load16(ot + d * kTileLanes + 16 * h) / total[h]);
+}
+
 // Built per instruction set, like the matmul; `attributes` empty gives the portable build.
 #define INKLING_VECTOR_FOR(isa_name, attributes)                                                              \
   attributes void group_dots_##isa_name(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride, \
@@ -909,6 +1075,14 @@ INKLING_INLINE void group_values_body(const float* p, int64_t g, int64_t n, cons
   }                                                                                                            \
   attributes void silu_mul_##isa_name(const float* gu, int64_t rows, int64_t I, float* act) {                  \
     silu_mul_body(gu, rows, I, act);                                                                           \
+  }                                                                                                            \
+  attributes void tile_scores_##isa_name(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n,    \
+                                         float scale, float* s) {                                              \
+    tile_scores_body(qt, hd, k, ks, n, scale, s);                                                              \
+  }                                                                                                            \
+  attributes void tile_softmax_values_##isa_name(float* s, int64_t n, const int32_t* lo, const int32_t* hi,     \
+                                                 const float* v, int64_t vs, int64_t hd, float* ot) {           \
+    tile_softmax_values_body(s, n, lo, hi, v, vs, hd, ot);                                                     \
   }
 INKLING_VECTOR_FOR(avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"), optimize("fp-contract=fast"))))
 INKLING_VECTOR_FOR(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))))
@@ -957,6 +1131,8 @@ struct MatmulChoice {
   void (*group_values)(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*, int64_t, float*);
   void (*softmax_rows)(float*, const float*, int64_t, int64_t, float);
   void (*silu_mul)(const float*, int64_t, int64_t, float*);
+  void (*tile_scores)(const float*, int64_t, const float*, int64_t, int64_t, float, float*);
+  void (*tile_softmax_values)(float*, int64_t, const int32_t*, const int32_t*, const float*, int64_t, int64_t, float*);
 };
 
 MatmulChoice choose_matmul() {
@@ -968,12 +1144,12 @@ MatmulChoice choose_matmul() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if ((want.empty() || want == "avx512") && avx512)
     return {"avx512", matmul_outputs_avx512, group_dots_avx512, group_values_avx512, softmax_rows_avx512,
-          silu_mul_avx512};
+          silu_mul_avx512, tile_scores_avx512, tile_softmax_values_avx512};
   if ((want.empty() || want == "avx512" || want == "avx2") && avx2)
     return {"avx2", matmul_outputs_avx2, group_dots_avx2, group_values_avx2, softmax_rows_avx2,
-          silu_mul_avx2};
+          silu_mul_avx2, tile_scores_avx2, tile_softmax_values_avx2};
   return {"portable", matmul_outputs_portable, group_dots_portable, group_values_portable, softmax_rows_portable,
-          silu_mul_portable};
+          silu_mul_portable, tile_scores_portable, tile_softmax_values_portable};
 }
 
 const MatmulChoice& matmul_choice() {
@@ -1110,6 +1286,13 @@ void fp32_group_values(const float* p, int64_t g, int64_t n, const float* base, 
 void fp32_softmax_rows(float* s, const float* bias, int64_t g, int64_t n, float scale) {
   matmul_choice().softmax_rows(s, bias, g, n, scale);
 }
+void fp32_tile_scores(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n, float scale, float* s) {
+  matmul_choice().tile_scores(qt, hd, k, ks, n, scale, s);
+}
+void fp32_tile_softmax_values(float* s, int64_t n, const int32_t* lo, const int32_t* hi, const float* v,
+                              int64_t vs, int64_t hd, float* ot) {
+  matmul_choice().tile_softmax_values(s, n, lo, hi, v, vs, hd, ot);
+}
 
 // ---- which kernel serves a weight shape: measured per machine, set from Python -------------------
 // Per (O, H, layout, thread count): bit r-1 of the mask set = this kernel for r rows (r <= 64), else
@@ -1158,13 +1341,26 @@ bool few_rows_serves(int64_t O, int64_t H, bool column_major, int64_t n) {
   return (found->second >> (n - 1)) & 1u;
 }
 
+// A float buffer that grows without initialising what it holds: every reader here reads only what
+// was written first, and a prefill's buffers (tens of MB) would otherwise be zeroed at every call.
+struct FloatScratch {
+  std::unique_ptr<float[]> data;
+  size_t size = 0;
+  float* hold(size_t floats) {
+    if (floats > size) data.reset(new float[floats]), size = floats;
+    return data.get();
+  }
+  void release() { data.reset(), size = 0; }
+};
+
 // The routed experts' working buffers, one set per calling thread, kept between calls: a decode step
 // allocates none of them once warm.
 struct MoeScratch {
   std::vector<std::vector<int64_t>> rows, slots, token_pairs;
   std::vector<int64_t> first;
   std::vector<char> ours;
-  std::vector<float> xs, gu, act, ys, pair_weight;
+  std::vector<float> pair_weight;
+  FloatScratch xs, gu, act, ys;
 };
 MoeScratch& moe_scratch() {
   thread_local MoeScratch scratch;
@@ -1220,13 +1416,14 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   first.assign(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + static_cast<int64_t>(rows[e].size());
   const int64_t pairs = first[E];
-  auto &xs = buffers.xs, &gu = buffers.gu, &act = buffers.act, &ys = buffers.ys;
-  for (auto [buffer, floats] : {std::pair{&xs, pairs * H}, {&gu, pairs * 2 * I}, {&act, pairs * I}, {&ys, pairs * H}})
-    if (static_cast<int64_t>(buffer->size()) < floats) buffer->resize(floats);
+  float* xs = buffers.xs.hold(pairs * H);
+  float* gu = buffers.gu.hold(pairs * 2 * I);
+  float* act = buffers.act.hold(pairs * I);
+  float* ys = buffers.ys.hold(pairs * H);
   const float* xp = x.data_ptr<float>();
   for (int64_t e = 0; e < E; ++e)
     for (size_t r = 0; r < rows[e].size(); ++r)
-      std::memcpy(&xs[(first[e] + r) * H], xp + rows[e][r] * H, H * sizeof(float));
+      std::memcpy(xs + (first[e] + r) * H, xp + rows[e][r] * H, H * sizeof(float));
   const bool gu_cm = gate_up.stride(1) == 1, down_cm = down.stride(1) == 1;
   auto& ours = buffers.ours;
   ours.assign(E, 0);
@@ -1244,16 +1441,23 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
                            dst + first[e] * O);
     run_split(parts);
   };
-  experts_matmul(gate_up, 2 * I, H, xs.data(), gu.data());
-  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
-    matmul_choice().silu_mul(gu.data() + begin * 2 * I, end - begin, I, act.data() + begin * I);
+  experts_matmul(gate_up, 2 * I, H, xs, gu);
+  std::vector<std::pair<int64_t, int64_t>> our_pairs;  // [first, end) of each expert this kernel serves
+  for (int64_t e = 0; e < E; ++e)
+    if (ours[e]) our_pairs.emplace_back(first[e], first[e + 1]);
+  at::parallel_for(0, static_cast<int64_t>(our_pairs.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [p0, p1] = our_pairs[i];
+      matmul_choice().silu_mul(gu + p0 * 2 * I, p1 - p0, I, act + p0 * I);
+    }
   });
-  experts_matmul(down, H, I, act.data(), ys.data());
+  experts_matmul(down, H, I, act, ys);
   for (int64_t e = 0; e < E; ++e) {  // the busy experts: ATen's GEMM, itself on the intra-op pool
     const int64_t n = first[e + 1] - first[e];
     if (n == 0 || ours[e]) continue;
-    at::from_blob(&ys[first[e] * H], {n, H}, x.options())
-        .copy_(aten_expert(at::from_blob(&xs[first[e] * H], {n, H}, x.options()), e));
+    auto ye = at::from_blob(ys + first[e] * H, {n, H}, x.options());
+    const auto g = at::linear(at::from_blob(xs + first[e] * H, {n, H}, x.options()), gate_up[e]);
+    at::mm_out(ye, at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), down[e].t());
   }
   // Each token adds its experts' rows, weighted, in expert order.
   auto& token_pairs = buffers.token_pairs;
@@ -1273,12 +1477,13 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
       for (const int64_t p : token_pairs[t]) {
         const float wgt = pair_weight[p];
         float* dst = op + t * H;
-        for (int64_t h = 0; h < H; ++h) dst[h] += ys[p * H + h] * wgt;
+        const float* src = ys + p * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] += src[h] * wgt;
       }
   });
   // Kept for the next call up to decode sizes; a prefill's buffers go with it.
-  if (xs.capacity() + gu.capacity() + act.capacity() + ys.capacity() > kKeepScratchFloats)
-    for (auto* buffer : {&xs, &gu, &act, &ys}) std::vector<float>().swap(*buffer);
+  if (buffers.xs.size + buffers.gu.size + buffers.act.size + buffers.ys.size > kKeepScratchFloats)
+    for (auto* buffer : {&buffers.xs, &buffers.gu, &buffers.act, &buffers.ys}) buffer->release();
   return out;
 }
 
