@@ -30,7 +30,7 @@ from inkling_compiled.checks import is_int
 from inkling_compiled.errors import CompileError, OptionError
 from inkling_compiled.paths import default_cache_dir
 
-from . import package
+from . import package, vec_isa
 
 log = logging.getLogger("inkling_compiled")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -141,6 +141,8 @@ class CompiledStep:
         self.cache_dir = Path(cache_dir) if cache_dir else Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
                                                                  default_compile_cache_dir())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
+        if compile_backend == "inductor" and device.type == "cpu":
+            vec_isa.settle(self.cache_dir)  # before anything reads inductor's configuration
         # Each graph is a recompile of the same frame (and every engine in the process shares that
         # frame's cache); leave room for all of them.
         # Entries of decoders made earlier in the process stay in that cache (a graph per bucket each, at

@@ -171,3 +171,32 @@ def test_if_the_aot_compile_fails_the_step_is_traced_with_every_guard(checkpoint
     assert INSTANCE_SOURCE in compiled.worker.decoder.guarded_sources
     assert engine(checkpoint, warmup=False).worker.decoder.guarded_sources == ("self.backend.metadata",)
     assert_decodes_as_eager(compiled, checkpoint, max_batch_size=4)
+
+
+def test_the_isa_probe_runs_once_per_machine(tmp_path, monkeypatch):
+    """The first settle probes and records; a later one reads the record and never probes, and sets
+    `vec_isa_ok` only where every ISA the CPU's flags list passed; a user's own setting is kept."""
+    from torch._inductor import cpu_vec_isa
+
+    from inkling_compiled.graphs import vec_isa
+
+    cpp = torch._inductor.config.cpp
+    monkeypatch.setattr(cpp, "vec_isa_ok", None)
+    vec_isa.settle(tmp_path)
+    (record,) = (tmp_path / "vec-isa").iterdir()
+    probed = json.loads(record.read_text())
+    assert probed["passed"] == [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    assert cpp.vec_isa_ok is (True if probed["all_passed"] else None)
+
+    def no_probe():
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", no_probe)
+    for all_passed, want in ((True, True), (False, None)):
+        record.write_text(json.dumps({**probed, "all_passed": all_passed}))
+        monkeypatch.setattr(cpp, "vec_isa_ok", None)
+        vec_isa.settle(tmp_path)
+        assert cpp.vec_isa_ok is want
+    monkeypatch.setattr(cpp, "vec_isa_ok", False)  # a user's choice
+    vec_isa.settle(tmp_path)
+    assert cpp.vec_isa_ok is False
