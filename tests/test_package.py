@@ -181,22 +181,22 @@ def test_the_isa_probe_runs_once_per_machine(tmp_path, monkeypatch):
     from inkling_compiled.graphs import vec_isa
 
     cpp = torch._inductor.config.cpp
-    monkeypatch.setattr(cpp, "vec_isa_ok", None)
-    vec_isa.settle(tmp_path)
-    (record,) = (tmp_path / "vec-isa").iterdir()
-    probed = json.loads(record.read_text())
-    assert probed["passed"] == [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-    assert cpp.vec_isa_ok is (True if probed["all_passed"] else None)
-
-    def no_probe():
-        raise AssertionError("probed again")
-
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", no_probe)
-    for all_passed, want in ((True, True), (False, None)):
-        record.write_text(json.dumps({**probed, "all_passed": all_passed}))
-        monkeypatch.setattr(cpp, "vec_isa_ok", None)
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": None}):  # restored after, whatever settle set
         vec_isa.settle(tmp_path)
-        assert cpp.vec_isa_ok is want
-    monkeypatch.setattr(cpp, "vec_isa_ok", False)  # a user's choice
-    vec_isa.settle(tmp_path)
-    assert cpp.vec_isa_ok is False
+        (record,) = (tmp_path / "vec-isa").iterdir()
+        probed = json.loads(record.read_text())
+        assert probed["passed"] == [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+        assert cpp.vec_isa_ok is (True if probed["all_passed"] else None)
+
+        def no_probe():
+            raise AssertionError("probed again")
+
+        monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", no_probe)
+        for all_passed, want in ((True, True), (False, None)):
+            record.write_text(json.dumps({**probed, "all_passed": all_passed}))
+            cpp.vec_isa_ok = None
+            vec_isa.settle(tmp_path)
+            assert cpp.vec_isa_ok is want
+        cpp.vec_isa_ok = False  # a user's choice
+        vec_isa.settle(tmp_path)
+        assert cpp.vec_isa_ok is False
