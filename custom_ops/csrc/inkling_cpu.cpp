@@ -318,8 +318,7 @@ void fp32_group_values(const float* p, int64_t g, int64_t n, const float* base, 
 void fp32_softmax_rows(float* s, const float* bias, int64_t g, int64_t n, float scale);
 // fp32 prefill attention's tiles (see kTileLanes below), built per instruction set likewise.
 void fp32_tile_scores(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n, float scale, float* s);
-void fp32_tile_softmax_values(float* s, int64_t n, const int32_t* lo, const int32_t* hi, const float* v,
-                              int64_t vs, int64_t hd, float* ot);
+void fp32_tile_softmax_values(float* s, int64_t n, const float* v, int64_t vs, int64_t hd, float* ot);
 constexpr int64_t kTileLanes = 32;
 
 // Where a decode row's keys are: global layers read pages through the block table, positions 0..pos;
@@ -583,7 +582,14 @@ void extend_attention_tiled(const at::Tensor& q, const at::Tensor& k, const at::
         const int64_t band = std::min<int64_t>(rel_extent, hi[m] - lo[m] + 1);
         for (int64_t dist = 0; dist < band; ++dist) scores[(hi[m] - dist) * kTileLanes + m] += th[dist] * t;
       }
-      fp32_tile_softmax_values(scores.data(), n, lo, hi, vp + (ks[b] + key0) * v0 + kvh * v1, v0, hd, ot.data());
+      // Scores of keys hidden from a lane (past its query, or before its window) become -inf, NaN
+      // included: a few per lane, the tile's queries being consecutive. Their probability is then
+      // exactly 0 (the values are read over the tile's keys, as a masked softmax reads them).
+      for (int64_t m = 0; m < lanes; ++m) {
+        for (int64_t j = 0; j < lo[m]; ++j) scores[j * kTileLanes + m] = -INFINITY;
+        for (int64_t j = hi[m] + 1; j < n; ++j) scores[j * kTileLanes + m] = -INFINITY;
+      }
+      fp32_tile_softmax_values(scores.data(), n, vp + (ks[b] + key0) * v0 + kvh * v1, v0, hd, ot.data());
       for (int64_t m = 0; m < lanes; ++m) {
         float* oh = op + ((qs[b] + i0 + m / group) * nh + kvh * group + m % group) * hd;
         for (int64_t d = 0; d < hd; ++d) oh[d] = ot[d * kTileLanes + m];
@@ -1007,10 +1013,14 @@ INKLING_INLINE void tile_scores_body(const float* qt, int64_t hd, const float* k
   for (; j < n; ++j) tile_dots<1>(qt, hd, k, ks, j, scale, s);
 }
 
-// ot[d][m] += sum_j p[j][m] v_j[d] for columns d = d0 .. d0 + C - 1.
+// ot[d][m] += sum_j p[j][m] v_j[d] over the n keys given, for columns d = d0 .. d0 + C - 1.
 template <int C>
 INKLING_INLINE void tile_values(const float* p, int64_t n, const float* v, int64_t vs, int64_t d0, float* ot) {
-  vec16 acc[C][2] = {};
+  vec16 acc[C][2];
+  for (int c = 0; c < C; ++c) {
+    acc[c][0] = load16(ot + (d0 + c) * kTileLanes);
+    acc[c][1] = load16(ot + (d0 + c) * kTileLanes + 16);
+  }
   for (int64_t j = 0; j < n; ++j) {
     const vec16 p0 = load16(p + j * kTileLanes), p1 = load16(p + j * kTileLanes + 16);
     const float* vj = v + j * vs + d0;
@@ -1026,37 +1036,36 @@ INKLING_INLINE void tile_values(const float* p, int64_t n, const float* v, int64
   }
 }
 
-// Lane m sees keys [lo[m], hi[m]] of the n: each lane's softmax over those (the others get probability
-// exactly 0 and their scores are never read, so nothing there, NaN included, reaches the lane), then
-// ot = p v / the lane's sum.
-INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const int32_t* lo, const int32_t* hi,
-                                             const float* v, int64_t vs, int64_t hd, float* ot) {
-  vec16 lo_v[2], hi_v[2];  // as floats: exact below 2^24 keys, and compared in the float registers
-  for (int64_t m = 0; m < kTileLanes; ++m) lo_v[m / 16][m % 16] = static_cast<float>(lo[m]);
-  for (int64_t m = 0; m < kTileLanes; ++m) hi_v[m / 16][m % 16] = static_cast<float>(hi[m]);
-  const vec16 hidden = vec16{} - INFINITY;
-  vec16 mx[2] = {hidden, hidden};
-  for (int64_t j = 0; j < n; ++j) {
-    const vec16 at = vec16{} + static_cast<float>(j);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      vec16 x = load16(s + j * kTileLanes + 16 * h);
-      x = at < lo_v[h] ? hidden : (at > hi_v[h] ? hidden : x);
-      store16(s + j * kTileLanes + 16 * h, x);
-      mx[h] = x > mx[h] ? x : mx[h];
-    }
-  }
-  vec16 total[2] = {};
+// Keys per block of the softmax's second half: a block's probabilities (8 KB) stay in L1 while every
+// head_dim column block reads them.
+constexpr int64_t kTileKeys = 64;
+
+// Each lane's softmax over the n keys (a key hidden from a lane holds -inf: probability exactly 0),
+// then ot = p v / the lane's sum. After the maximum, the keys go in blocks: exp, then p v.
+INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const float* v, int64_t vs, int64_t hd,
+                                             float* ot) {
+  vec16 mx[2] = {vec16{} - INFINITY, vec16{} - INFINITY};
   for (int64_t j = 0; j < n; ++j)
     for (int h = 0; h < 2; ++h) {
-      const vec16 e = exp16(load16(s + j * kTileLanes + 16 * h) - mx[h]);
-      store16(s + j * kTileLanes + 16 * h, e);
-      total[h] += e;
+      const vec16 x = load16(s + j * kTileLanes + 16 * h);
+      mx[h] = x > mx[h] ? x : mx[h];
     }
-  int64_t d = 0;
-  for (; d + 8 <= hd; d += 8) tile_values<8>(s, n, v, vs, d, ot);
-  for (; d < hd; ++d) tile_values<1>(s, n, v, vs, d, ot);
-  for (d = 0; d < hd; ++d)
+  std::fill(ot, ot + hd * kTileLanes, 0.0f);
+  vec16 total[2] = {};
+  for (int64_t j0 = 0; j0 < n; j0 += kTileKeys) {
+    const int64_t nb = std::min(kTileKeys, n - j0);
+    float* p = s + j0 * kTileLanes;
+    for (int64_t j = 0; j < nb; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const vec16 e = exp16(load16(p + j * kTileLanes + 16 * h) - mx[h]);
+        store16(p + j * kTileLanes + 16 * h, e);
+        total[h] += e;
+      }
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) tile_values<8>(p, nb, v + j0 * vs, vs, d, ot);
+    for (; d < hd; ++d) tile_values<1>(p, nb, v + j0 * vs, vs, d, ot);
+  }
+  for (int64_t d = 0; d < hd; ++d)
     for (int h = 0; h < 2; ++h) store16(ot + d * kTileLanes + 16 * h, load16(ot + d * kTileLanes + 16 * h) / total[h]);
 }
 
@@ -1080,9 +1089,9 @@ INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const int32_t*
                                          float scale, float* s) {                                              \
     tile_scores_body(qt, hd, k, ks, n, scale, s);                                                              \
   }                                                                                                            \
-  attributes void tile_softmax_values_##isa_name(float* s, int64_t n, const int32_t* lo, const int32_t* hi,     \
-                                                 const float* v, int64_t vs, int64_t hd, float* ot) {           \
-    tile_softmax_values_body(s, n, lo, hi, v, vs, hd, ot);                                                     \
+  attributes void tile_softmax_values_##isa_name(float* s, int64_t n, const float* v, int64_t vs, int64_t hd,   \
+                                                 float* ot) {                                                   \
+    tile_softmax_values_body(s, n, v, vs, hd, ot);                                                             \
   }
 INKLING_VECTOR_FOR(avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"), optimize("fp-contract=fast"))))
 INKLING_VECTOR_FOR(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))))
@@ -1132,7 +1141,7 @@ struct MatmulChoice {
   void (*softmax_rows)(float*, const float*, int64_t, int64_t, float);
   void (*silu_mul)(const float*, int64_t, int64_t, float*);
   void (*tile_scores)(const float*, int64_t, const float*, int64_t, int64_t, float, float*);
-  void (*tile_softmax_values)(float*, int64_t, const int32_t*, const int32_t*, const float*, int64_t, int64_t, float*);
+  void (*tile_softmax_values)(float*, int64_t, const float*, int64_t, int64_t, float*);
 };
 
 MatmulChoice choose_matmul() {
@@ -1289,9 +1298,8 @@ void fp32_softmax_rows(float* s, const float* bias, int64_t g, int64_t n, float 
 void fp32_tile_scores(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n, float scale, float* s) {
   matmul_choice().tile_scores(qt, hd, k, ks, n, scale, s);
 }
-void fp32_tile_softmax_values(float* s, int64_t n, const int32_t* lo, const int32_t* hi, const float* v,
-                              int64_t vs, int64_t hd, float* ot) {
-  matmul_choice().tile_softmax_values(s, n, lo, hi, v, vs, hd, ot);
+void fp32_tile_softmax_values(float* s, int64_t n, const float* v, int64_t vs, int64_t hd, float* ot) {
+  matmul_choice().tile_softmax_values(s, n, v, vs, hd, ot);
 }
 
 // ---- which kernel serves a weight shape: measured per machine, set from Python -------------------
