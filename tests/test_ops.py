@@ -115,7 +115,7 @@ def test_every_instruction_set_build_of_the_matmul_matches_f_linear(isa):
         "    got = torch.ops.inkling.ring_attention(q, k, v, *args)\n"
         "    worst = max(worst, (got - attend_ring(q, k, v, *args)).abs().max().item())\n"
         "from inkling_compiled.custom_ops.attention import extend_attention_reference\n"
-        "for hd, group, window in ((16, 3, 0), (20, 8, 5), (64, 1, 0)):  # prefill tiles: lanes left idle, a tail\n"
+        "for hd, group, window in ((16, 3, 0), (20, 8, 40), (64, 1, 0), (16, 2, 5)):  # tiles (idle lanes, a tail), per query\n"
         "    q, table = torch.randn(40, 2 * group, hd, generator=g), torch.randn(40, 2 * group, 9, generator=g)\n"
         "    k, v = torch.randn(60, 2, hd, generator=g), torch.randn(60, 2, hd, generator=g)\n"
         "    args = (q, k, v, table, torch.rand(40, generator=g) + 0.5, torch.tensor([0, 3, 40]), torch.tensor([0, 13, 60]), window, 9)\n"
@@ -450,10 +450,11 @@ def _packed_chunks(g, chunks, histories, nkv, group, hd=16, extent=20, dtype=tor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [0, 24])
+@pytest.mark.parametrize("window", [0, 24, 40])
 def test_extend_attention_matches_its_reference_on_packed_chunks(dtype, window):
     """Chunks of 1 to 300 tokens over histories that cross the window and the relative extent (20),
-    GQA ratios 1 to 8, the global layers' log scale and the sliding layers' window."""
+    GQA ratios 1 to 8, the global layers' log scale and the sliding layers' window (40 with 8 heads a
+    kv head goes in tiles, the other windows per query)."""
     g = torch.Generator().manual_seed(13 + window)
     for nkv, group in [(1, 1), (2, 3), (1, 8)]:
         args = _packed_chunks(g, [1, 7, 300, 33], [0, 50, 5, 19], nkv, group, dtype=dtype, tau=window == 0)
