@@ -18,7 +18,8 @@ GEMM_SIZE = 1024
 REPEATS = 5
 
 
-def _best_seconds(fn, repeats: int = REPEATS) -> float:
+def best_seconds(fn, repeats: int = REPEATS) -> float:
+    """The fastest of `repeats` timed calls of `fn`, after one untimed."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -36,14 +37,14 @@ def measure_machine(threads: int) -> dict:
     try:
         src = torch.ones(STREAM_BYTES // 4)
         dst = torch.empty_like(src)
-        copy = 2 * STREAM_BYTES / _best_seconds(lambda: dst.copy_(src))
-        reduce = STREAM_BYTES / _best_seconds(src.sum)
+        copy = 2 * STREAM_BYTES / best_seconds(lambda: dst.copy_(src))
+        reduce = STREAM_BYTES / best_seconds(src.sum)
         src = dst = None  # freed before the next buffer
         w, x = torch.full(GEMV_SHAPE, 0.5), torch.full((1, GEMV_SHAPE[1]), 0.25)
-        gemv = w.numel() * 4 / _best_seconds(lambda: F.linear(x, w))
+        gemv = w.numel() * 4 / best_seconds(lambda: F.linear(x, w))
         w = None
         a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
-        matmul = 2 * GEMM_SIZE**3 / _best_seconds(lambda: torch.mm(a, b))
+        matmul = 2 * GEMM_SIZE**3 / best_seconds(lambda: torch.mm(a, b))
     finally:
         torch.set_num_threads(before)
     return {"threads": threads, "copy_gb_s": copy / 1e9, "reduce_gb_s": reduce / 1e9, "gemv_gb_s": gemv / 1e9,

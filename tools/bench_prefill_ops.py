@@ -9,7 +9,6 @@ experts' GEMMs only. Nothing here asserts a speed.
 """
 
 import argparse
-import time
 
 import torch
 
@@ -17,17 +16,8 @@ from inkling_compiled import custom_ops  # noqa: F401  (registers torch.ops.inkl
 from inkling_compiled.config import InklingConfig
 from inkling_compiled.custom_ops.attention import extend_attention_reference
 from inkling_compiled.custom_ops.moe import moe_experts_reference
+from inkling_compiled.floor import best_seconds
 from inkling_compiled.tiny import TINY_CONFIGS
-
-
-def best_seconds(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
