@@ -319,6 +319,7 @@ void fp32_softmax_rows(float* s, const float* bias, int64_t g, int64_t n, float 
 // fp32 prefill attention's tiles (see kTileLanes below), built per instruction set likewise.
 void fp32_tile_scores(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n, float scale, float* s);
 void fp32_tile_softmax_values(float* s, int64_t n, const float* v, int64_t vs, int64_t hd, float* ot);
+const char* fp32_kernels_isa();  // the build these run: avx512, avx2 or portable
 constexpr int64_t kTileLanes = 32;
 
 // Where a decode row's keys are: global layers read pages through the block table, positions 0..pos;
@@ -626,15 +627,17 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
       pp[qs[b] + i] = S - L + i;  // the query's own key, the last it sees
     }
   }
-  const int64_t group = k.size(1) >= 1 && q.size(1) % k.size(1) == 0 ? q.size(1) / k.size(1) : 0;
+  const bool shaped = q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && table.dim() == 3;  // else decode's checks name it
+  const int64_t group = shaped && k.size(1) >= 1 && q.size(1) % k.size(1) == 0 ? q.size(1) / k.size(1) : 0;
   // A tile reads its queries' windows and the keys between them: past an eighth of the window that
   // costs more than it shares, and each query reads only its own (small: a 64-key window, 16
   // queries a tile, 4.4 ms against 5.0 in tiles for 1,024 tokens; tools/bench_prefill_ops.py).
-  const bool tiles_pay = window == 0 || (group >= 1 && 8 * std::max<int64_t>(1, kTileLanes / group) <= window);
+  // Tiles keep 16 vectors of accumulators: AVX-512's registers; other builds take each query.
+  const bool tiles_pay = (window == 0 || (group >= 1 && 8 * std::max<int64_t>(1, kTileLanes / group) <= window)) &&
+                         std::string(fp32_kernels_isa()) == "avx512";
   if (tiles_pay && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
       group >= 1 && group <= kTileLanes && k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1 &&
-      q.dim() == 3 && table.dim() == 3 && table.size(0) == T && table.size(1) == q.size(1) &&
-      rel_extent >= 0 && rel_extent <= table.size(2)) {
+      table.size(0) == T && table.size(1) == q.size(1) && rel_extent >= 0 && rel_extent <= table.size(2)) {
     const auto qc = q.contiguous(), tc = table.to(at::kFloat).contiguous();
     at::Tensor tc_tau;
     if (tau.has_value()) tc_tau = tau->to(at::kFloat).contiguous();
@@ -1305,6 +1308,7 @@ void fp32_tile_scores(const float* qt, int64_t hd, const float* k, int64_t ks, i
 void fp32_tile_softmax_values(float* s, int64_t n, const float* v, int64_t vs, int64_t hd, float* ot) {
   matmul_choice().tile_softmax_values(s, n, v, vs, hd, ot);
 }
+const char* fp32_kernels_isa() { return matmul_choice().isa; }
 
 // ---- which kernel serves a weight shape: measured per machine, set from Python -------------------
 // Per (O, H, layout, thread count): bit r-1 of the mask set = this kernel for r rows (r <= 64), else
@@ -1457,7 +1461,12 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   std::vector<std::pair<int64_t, int64_t>> our_pairs;  // [first, end) of each expert this kernel serves
   for (int64_t e = 0; e < E; ++e)
     if (ours[e]) our_pairs.emplace_back(first[e], first[e + 1]);
-  at::parallel_for(0, static_cast<int64_t>(our_pairs.size()), 1, [&](int64_t begin, int64_t end) {
+  // About 16 rows a task: a decode step's experts (a row or two each) stay on the calling thread.
+  const int64_t served = static_cast<int64_t>(our_pairs.size());
+  int64_t served_rows = 0;
+  for (const auto& [p0, p1] : our_pairs) served_rows += p1 - p0;
+  const int64_t silu_grain = std::max<int64_t>(1, 16 * served / std::max<int64_t>(1, served_rows));
+  at::parallel_for(0, served, silu_grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto [p0, p1] = our_pairs[i];
       matmul_choice().silu_mul(gu + p0 * 2 * I, p1 - p0, I, act + p0 * I);
