@@ -24,22 +24,20 @@ from inkling_compiled.sampling import SamplingParams
 from inkling_compiled.tiny import build_tiny_checkpoint
 
 
-def timed_steps(engine: Engine, until) -> list[float]:
-    """Engine steps until `until()` holds: each one's wall time."""
-    times = []
-    while not until():
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    return times
+def step_seconds(engine: Engine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
 
 
 def one_arrival(engine: Engine, prompt: list[int]) -> tuple[float, list[float], list[float]]:
     """(the prompt's TTFT, decode-only step times before it, step times while it prefilled)."""
-    alone = timed_steps(engine, iter([False] * 8 + [True]).__next__)
+    alone = [step_seconds(engine) for _ in range(8)]
     rid = engine.add_request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
     t0 = time.perf_counter()
-    during = timed_steps(engine, lambda: engine.scheduler.get(rid) is None)
+    during = []
+    while engine.scheduler.get(rid) is not None:
+        during.append(step_seconds(engine))
     return time.perf_counter() - t0, alone, during
 
 
@@ -64,7 +62,8 @@ def main() -> None:
             engine.generate([prompts[0]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # untimed
             for i, short in enumerate(_prompts(args.decoding, 16, seed=11)):
                 engine.add_request(short, SamplingParams(max_new_tokens=args.prompt, ignore_eos=True), request_id=f"d{i}")
-            timed_steps(engine, lambda: not engine.scheduler.waiting and not engine.scheduler.prefilling)
+            while engine.scheduler.waiting or engine.scheduler.prefilling:  # until every decoder decodes
+                engine.step()
             ttfts, alone, during = [], [], []
             for prompt in prompts[1:]:
                 ttft, a, d = one_arrival(engine, prompt)

@@ -316,10 +316,12 @@ void fp32_group_dots(const float* q, int64_t g, int64_t hd, const float* base, i
 void fp32_group_values(const float* p, int64_t g, int64_t n, const float* base, int64_t stride, const int64_t* loc,
                        int64_t hd, float* acc);
 void fp32_softmax_rows(float* s, const float* bias, int64_t g, int64_t n, float scale);
-// fp32 prefill attention's tiles (see kTileLanes below), built per instruction set likewise.
+// fp32 prefill attention's tiles (see kTileLanes below), built for AVX-512 only: their 16 vectors of
+// accumulators need its 32 registers (the AVX2 build, tried, took 726-821 ms a global layer of
+// `small` at 1,024 tokens in tiles against 232-286 per query). Whether this CPU runs that build.
+bool fp32_tiles_built();
 void fp32_tile_scores(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n, float scale, float* s);
 void fp32_tile_softmax_values(float* s, int64_t n, const float* v, int64_t vs, int64_t hd, float* ot);
-const char* fp32_kernels_isa();  // the build these run: avx512, avx2 or portable
 constexpr int64_t kTileLanes = 32;
 
 // Where a decode row's keys are: global layers read pages through the block table, positions 0..pos;
@@ -542,6 +544,7 @@ void extend_attention_tiled(const at::Tensor& q, const at::Tensor& k, const at::
                             int64_t rel_extent, at::Tensor& out) {
   const int64_t nh = q.size(1), hd = q.size(2), nkv = k.size(1), group = nh / nkv, E = table.size(2);
   const int64_t per_tile = std::max<int64_t>(1, kTileLanes / group);
+  const PackedKeys keys{ks, window};
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (sequence, its first query)
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < qs[b + 1] - qs[b]; i += per_tile) tiles.emplace_back(b, i);
@@ -562,8 +565,7 @@ void extend_attention_tiled(const at::Tensor& q, const at::Tensor& k, const at::
       const auto [b, i0] = tiles[task / nkv];
       const int64_t kvh = task % nkv, L = qs[b + 1] - qs[b], S = ks[b + 1] - ks[b];
       const int64_t i1 = std::min(L, i0 + per_tile), lanes = (i1 - i0) * group;
-      auto first_key = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
-      const int64_t key0 = first_key(S - L + i0), n = S - L + i1 - key0;  // keys [key0, own key of the last query]
+      const int64_t key0 = keys.first(S - L + i0), n = S - L + i1 - key0;  // keys [key0, own key of the last query]
       std::fill(qt.begin(), qt.end(), 0.0f);
       for (int64_t m = 0; m < kTileLanes; ++m) lo[m] = 0, hi[m] = static_cast<int32_t>(n - 1);  // idle lanes: harmless
       for (int64_t m = 0; m < lanes; ++m) {
@@ -571,7 +573,7 @@ void extend_attention_tiled(const at::Tensor& q, const at::Tensor& k, const at::
         const float t = taup ? taup[row] : 1.0f;
         const float* qh = qp + (row * nh + head) * hd;
         for (int64_t d = 0; d < hd; ++d) qt[d * kTileLanes + m] = taup ? qh[d] * t : qh[d];
-        lo[m] = static_cast<int32_t>(first_key(pos) - key0);
+        lo[m] = static_cast<int32_t>(keys.first(pos) - key0);
         hi[m] = static_cast<int32_t>(pos - key0);
       }
       scores.resize(n * kTileLanes);
@@ -615,26 +617,17 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "extend_attention: the start locations must cover q and k");
   TORCH_CHECK(!tau.has_value() || tau->numel() == T, "extend_attention: one tau per query expected, got ",
               tau.has_value() ? tau->numel() : 0, " for ", T);
-  auto sequence = at::empty({T}, at::TensorOptions().dtype(at::kInt));
-  auto positions = at::empty({T}, at::TensorOptions().dtype(at::kLong));
-  int32_t* sp = sequence.data_ptr<int32_t>();
-  int64_t* pp = positions.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = qs[b + 1] - qs[b], S = ks[b + 1] - ks[b];
     TORCH_CHECK(L >= 0 && S >= L, "extend_attention: sequence ", b, " has ", L, " queries but ", S, " keys");
-    for (int64_t i = 0; i < L; ++i) {
-      sp[qs[b] + i] = static_cast<int32_t>(b);
-      pp[qs[b] + i] = S - L + i;  // the query's own key, the last it sees
-    }
   }
   const bool shaped = q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && table.dim() == 3;  // else decode's checks name it
   const int64_t group = shaped && k.size(1) >= 1 && q.size(1) % k.size(1) == 0 ? q.size(1) / k.size(1) : 0;
   // A tile reads its queries' windows and the keys between them: past an eighth of the window that
   // costs more than it shares, and each query reads only its own (small: a 64-key window, 16
   // queries a tile, 4.4 ms against 5.0 in tiles for 1,024 tokens; tools/bench_prefill_ops.py).
-  // Tiles keep 16 vectors of accumulators: AVX-512's registers; other builds take each query.
   const bool tiles_pay = (window == 0 || (group >= 1 && 8 * std::max<int64_t>(1, kTileLanes / group) <= window)) &&
-                         std::string(fp32_kernels_isa()) == "avx512";
+                         fp32_tiles_built();
   if (tiles_pay && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
       group >= 1 && group <= kTileLanes && k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1 &&
       table.size(0) == T && table.size(1) == q.size(1) && rel_extent >= 0 && rel_extent <= table.size(2)) {
@@ -645,6 +638,16 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
     extend_attention_tiled(qc, k, v, tc, tc_tau, qs, ks, B, window, rel_extent, out);
     return out;
   }
+  // Per query: each a decode row of its sequence, at its own key (the last it sees).
+  auto sequence = at::empty({T}, at::TensorOptions().dtype(at::kInt));
+  auto positions = at::empty({T}, at::TensorOptions().dtype(at::kLong));
+  int32_t* sp = sequence.data_ptr<int32_t>();
+  int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < qs[b + 1] - qs[b]; ++i) {
+      sp[qs[b] + i] = static_cast<int32_t>(b);
+      pp[qs[b] + i] = ks[b + 1] - ks[b] - (qs[b + 1] - qs[b]) + i;
+    }
   return decode_attention(q, k, v, table, tau, PackedKeys{ks, window}, sequence, positions, rel_extent,
                           "extend_attention");
 }
@@ -1091,18 +1094,21 @@ INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const float* v
   }                                                                                                            \
   attributes void silu_mul_##isa_name(const float* gu, int64_t rows, int64_t I, float* act) {                  \
     silu_mul_body(gu, rows, I, act);                                                                           \
-  }                                                                                                            \
-  attributes void tile_scores_##isa_name(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n,    \
-                                         float scale, float* s) {                                              \
-    tile_scores_body(qt, hd, k, ks, n, scale, s);                                                              \
-  }                                                                                                            \
-  attributes void tile_softmax_values_##isa_name(float* s, int64_t n, const float* v, int64_t vs, int64_t hd,   \
-                                                 float* ot) {                                                   \
-    tile_softmax_values_body(s, n, v, vs, hd, ot);                                                             \
   }
-INKLING_VECTOR_FOR(avx512, __attribute__((target("avx512f,avx512vl,avx2,fma"), optimize("fp-contract=fast"))))
+#define INKLING_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma"), optimize("fp-contract=fast")))
+INKLING_VECTOR_FOR(avx512, INKLING_AVX512)
 INKLING_VECTOR_FOR(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))))
 INKLING_VECTOR_FOR(portable, )
+
+// The prefill tiles: AVX-512 only (see fp32_tiles_built).
+INKLING_AVX512 void tile_scores_avx512(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n,
+                                       float scale, float* s) {
+  tile_scores_body(qt, hd, k, ks, n, scale, s);
+}
+INKLING_AVX512 void tile_softmax_values_avx512(float* s, int64_t n, const float* v, int64_t vs, int64_t hd,
+                                               float* ot) {
+  tile_softmax_values_body(s, n, v, vs, hd, ot);
+}
 
 // Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE, the
 // terms of each output in order h = 0, 1, ... (16 partial sums in W's layout, added lane by lane).
@@ -1147,7 +1153,7 @@ struct MatmulChoice {
   void (*group_values)(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*, int64_t, float*);
   void (*softmax_rows)(float*, const float*, int64_t, int64_t, float);
   void (*silu_mul)(const float*, int64_t, int64_t, float*);
-  void (*tile_scores)(const float*, int64_t, const float*, int64_t, int64_t, float, float*);
+  void (*tile_scores)(const float*, int64_t, const float*, int64_t, int64_t, float, float*);  // AVX-512 only
   void (*tile_softmax_values)(float*, int64_t, const float*, int64_t, int64_t, float*);
 };
 
@@ -1163,9 +1169,9 @@ MatmulChoice choose_matmul() {
           silu_mul_avx512, tile_scores_avx512, tile_softmax_values_avx512};
   if ((want.empty() || want == "avx512" || want == "avx2") && avx2)
     return {"avx2", matmul_outputs_avx2, group_dots_avx2, group_values_avx2, softmax_rows_avx2,
-          silu_mul_avx2, tile_scores_avx2, tile_softmax_values_avx2};
+          silu_mul_avx2, nullptr, nullptr};
   return {"portable", matmul_outputs_portable, group_dots_portable, group_values_portable, softmax_rows_portable,
-          silu_mul_portable, tile_scores_portable, tile_softmax_values_portable};
+          silu_mul_portable, nullptr, nullptr};
 }
 
 const MatmulChoice& matmul_choice() {
@@ -1308,7 +1314,7 @@ void fp32_tile_scores(const float* qt, int64_t hd, const float* k, int64_t ks, i
 void fp32_tile_softmax_values(float* s, int64_t n, const float* v, int64_t vs, int64_t hd, float* ot) {
   matmul_choice().tile_softmax_values(s, n, v, vs, hd, ot);
 }
-const char* fp32_kernels_isa() { return matmul_choice().isa; }
+bool fp32_tiles_built() { return matmul_choice().tile_scores != nullptr; }
 
 // ---- which kernel serves a weight shape: measured per machine, set from Python -------------------
 // Per (O, H, layout, thread count): bit r-1 of the mask set = this kernel for r rows (r <= 64), else
