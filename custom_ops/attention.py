@@ -69,11 +69,11 @@ def extend_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          rel_extent)
 
 
-# CUDA takes the reference (the recipe prefill ran before the op) until a Triton kernel lands.
 extend_attention = define(
     "extend_attention(Tensor q, Tensor k, Tensor v, Tensor table, Tensor? tau, Tensor query_start_loc, "
     "Tensor key_start_loc, int window, int rel_extent) -> Tensor",
-    fake=lambda q, *args: torch.empty_like(q), reference=extend_attention_reference, cuda=extend_attention_reference)
+    fake=lambda q, *args: torch.empty_like(q), reference=extend_attention_reference,
+    cuda=gpu_kernel("extend", "extend_attention"))
 
 
 ring_attention = define(

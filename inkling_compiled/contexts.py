@@ -150,7 +150,7 @@ class PoolContext:
         its prompt: it attends to the keys cached before it (every earlier position on a global layer,
         the last W-1 on a sliding one) and causally to its own. The cached keys are read before this
         chunk's are written: a sliding layer's ring may overwrite them. One `extend_attention` call serves
-        every row: its C++ kernel's memory is linear in the chunk, its reference's (CUDA's today) chunk x
+        every row: its C++ and Triton kernels' memory is linear in the chunk, its reference's chunk x
         (history + chunk) per row, never the whole prompt squared."""
         md = self.metadata
         qsl = md.query_start_loc.tolist()

@@ -9,6 +9,7 @@ logits are fp32 whatever the model dtype, so those ops run in fp32 only.
 """
 
 import importlib
+import itertools
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from inkling_compiled.custom_ops import KERNELS
-from inkling_compiled.custom_ops.attention import paged_attention_reference
+from inkling_compiled.custom_ops.attention import extend_attention_reference, paged_attention_reference
 from inkling_compiled.custom_ops.moe import moe_experts_reference
 
 pytest.importorskip("triton")
@@ -152,6 +153,41 @@ def test_ring_attention(dtype):
     assert got.dtype == dtype and close(got, want, dtype)
 
 
+def packed_chunks(g, chunks, histories, nkv, group, hd, dtype, tau, extent=20):
+    """Sequence b: histories[b] cached keys, then chunks[b] new tokens (queries and keys)."""
+    T, S = sum(chunks), sum(chunks) + sum(histories)
+    qsl = ids([0, *itertools.accumulate(chunks)], dtype=torch.int64)
+    ksl = ids([0, *itertools.accumulate(c + h for c, h in zip(chunks, histories))], dtype=torch.int64)
+    q = randn(T, nkv * group, hd, g=g, dtype=dtype)
+    k, v = randn(S, nkv, hd, g=g, dtype=dtype), randn(S, nkv, hd, g=g, dtype=dtype)
+    table = (randn(T, nkv * group, extent, g=g) * 2).to(dtype)
+    scale = (torch.rand(T, generator=g) + 0.5).to(DEVICE) if tau else None
+    return [q, k, v, table, scale, qsl, ksl]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 24])
+def test_extend_attention(dtype, window):
+    """Chunks of 1 to 300 tokens (many query blocks, a block of one) over histories crossing the window
+    and the relative extent (20), GQA 1, 3 (a padded head group) and 8, head dims 8 and 16; then NaN in
+    every other sequence's keys and values, and in a sliding sequence's keys before every query's window,
+    changes nothing."""
+    g = torch.Generator().manual_seed(50 + window)
+    for nkv, group, hd, longest in [(2, 3, 8, 45), (1, 8, 16, 45), (1, 1, 16, 300)]:  # the interpreter is slow
+        args = packed_chunks(g, [1, 7, longest, 33], [0, 50, 5, 19], nkv, group, hd, dtype, tau=window == 0)
+        want = extend_attention_reference(*fp32(args), window, 20)
+        got = CUDA["extend_attention"](*args, window, 20)
+        assert got.dtype == dtype and close(got, want, dtype), (nkv, group)
+    # Sequence 1 (50 cached keys, 7 queries) keeps its keys; its first query sees back to key 50-window+1.
+    (k0, k1), (q0, q1) = args[6][1:3].tolist(), args[5][1:3].tolist()
+    seen_from = k0 + (50 - window + 1 if window else 0)
+    k, v = args[1].clone(), args[2].clone()
+    for t in (k, v):
+        t[:seen_from], t[k1:] = float("nan"), float("nan")
+    again = CUDA["extend_attention"](args[0], k, v, *args[3:], window, 20)
+    assert torch.equal(again[q0:q1], got[q0:q1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])  # the loader keeps wide outputs column-major
@@ -234,7 +270,8 @@ class StubKernel:
 
 
 @pytest.mark.parametrize("op", ["sconv_decode", "sconv_extend", "sconv_verify", "commit_conv_windows", "kv_write",
-                                "paged_attention", "ring_attention", "moe_experts", "top_k_top_p"])
+                                "paged_attention", "ring_attention", "extend_attention", "moe_experts",
+                                "top_k_top_p"])
 def test_launchers_never_look_at_their_data(op, monkeypatch):
     """Capturable means no host sync and nothing sized by data: each launcher, its kernels stubbed out,
     runs on fake tensors (which have no data to look at)."""
@@ -259,6 +296,9 @@ def test_launchers_never_look_at_their_data(op, monkeypatch):
                             torch.tensor([7, 1], **i32), 4, 6),
         "ring_attention": (torch.randn(2, 4, 8, generator=g), cache, cache.clone(), torch.randn(2, 4, 6, generator=g),
                            torch.tensor([9, 0]), torch.tensor([1, 0], **i32), 4, 6),
+        "extend_attention": (torch.randn(5, 4, 8, generator=g), cache[:9], cache[:9].clone(),
+                             torch.randn(5, 4, 6, generator=g), torch.ones(5), torch.tensor([0, 3, 5]),
+                             torch.tensor([0, 6, 9]), 4, 6),
         "moe_experts": (torch.randn(3, 8, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]),
                         torch.rand(3, 2, generator=g), torch.randn(3, 12, 8, generator=g),
                         torch.randn(3, 8, 6, generator=g)),

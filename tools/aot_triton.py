@@ -23,7 +23,7 @@ import torch
 
 POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
            torch.int64: "*i64", torch.bool: "*i1"}
-MODULES = ("sconv", "kv", "attention", "moe", "sampling")
+MODULES = ("sconv", "kv", "attention", "extend", "moe", "sampling")
 
 
 class Recorder:
@@ -82,6 +82,13 @@ def sample_launches() -> list:
         gate_up = torch.zeros(4, 80, 48, dtype=dtype)
         gpu["moe"].moe_experts(x, torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.ones(3, 2, dtype=dtype), gate_up,
                                torch.zeros(4, 48, 40, dtype=dtype))
+    # Prompt attention: one head layout per dtype (its variants take seconds each to compile).
+    for dtype, (nh, nkv, hd) in ((torch.float32, (8, 1, 64)), (torch.bfloat16, (6, 2, 80))):
+        q, table = torch.zeros(2, nh, hd, dtype=dtype), torch.zeros(2, nh, 16, dtype=dtype)
+        kv = torch.zeros(4, nkv, hd, dtype=dtype)
+        starts = torch.tensor([0, 2])
+        for tau, window in ((None, 8), (torch.ones(2), 0)):  # sliding layers, global layers with the log scale
+            gpu["extend"].extend_attention(q, kv, kv.clone(), table, tau, starts, starts, window, 16)
     gpu["sampling"].top_k_top_p(torch.zeros(2, 3000), torch.tensor([0, 5]), torch.tensor([1.0, 0.5]))
     return launches
 
