@@ -238,12 +238,14 @@ STARTUP_PHASES = (  # (name, inductor cache folder, compile_package): each phase
     ("warm, traced", "traced", False))
 
 
-def compile_times(config: str, max_batch_size: int = 32) -> dict:
+def compile_times(config: str, max_batch_size: int = 32, draft_tokens: int = 0) -> dict:
     """Warm-up of every default bucket in a new process: cold (empty compile cache) and warm (the same
     cache again), with the step saved and loaded whole (the default) and traced by Dynamo each time
     (`compile_package=False`, a cache of its own). Per phase: seconds per bucket, to a ready engine
     (`total_s`, from the start of the process's imports) and to its first generated token
-    (`first_token_s`)."""
+    (`first_token_s`). With `draft_tokens`, the engine also compiles a verify step for that many drafts
+    (n-gram drafter), and its buckets' seconds and graphs are reported too."""
+    spec = f"speculative='ngram', num_speculative_tokens={draft_tokens}, " if draft_tokens else ""
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = build_tiny_checkpoint(Path(tmp) / config, config)
         out = {}
@@ -252,9 +254,10 @@ def compile_times(config: str, max_batch_size: int = 32) -> dict:
             script = ("import json, sys, time, torch; torch.set_num_threads(1); t = time.perf_counter(); "
                       "from inkling_compiled.engine import Engine; "
                       f"e = Engine.from_pretrained(sys.argv[1], max_batch_size={max_batch_size}, progress=False, "
-                      f"compile_package={packaged}); "
-                      "ready = time.perf_counter() - t; e.generate([3, 4, 5]); "
+                      f"{spec}compile_package={packaged}); "
+                      "ready = time.perf_counter() - t; e.generate([3, 4, 5]); v = e.worker.verifier; "
                       "print(json.dumps({'buckets': e.worker.decoder.compile_seconds, 'graphs': e.worker.decoder.graphs(), "
+                      "'verify_buckets': v and v.compile_seconds, 'verify_graphs': v and v.graphs(), "
                       "'packaged': e.worker.decoder.packaged, 'total_s': ready, "
                       "'first_token_s': time.perf_counter() - t}))")
             run = subprocess.run([sys.executable, "-c", script, str(ckpt)], env=env, capture_output=True, text=True,

@@ -147,12 +147,15 @@ def _bench(args: argparse.Namespace) -> int:
     results = run_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, engines, threads=args.threads)
     print(markdown_table(results, engines))
     if args.compile_times:
-        results["compile_times"] = {c: compile_times(c, max(args.batches)) for c in args.compile_times}
+        results["compile_times"] = {c: compile_times(c, max(args.batches), args.compile_times_verify)
+                                    for c in args.compile_times}
         for c, t in results["compile_times"].items():
-            print(f"{c}: buckets {sorted(map(int, t['cold']['buckets']))} ready in (new process each; "
+            verify = f" and a verify step for K={args.compile_times_verify}" if args.compile_times_verify else ""
+            print(f"{c}: buckets {sorted(map(int, t['cold']['buckets']))}{verify} ready in (new process each; "
                   "first token in brackets):")
             for phase, r in t.items():
-                print(f"  {phase:<13} {r['total_s']:6.1f} s  ({r['first_token_s']:.1f} s)")
+                graphs = f", verify graphs {r['verify_graphs']}" if r["verify_graphs"] else ""
+                print(f"  {phase:<13} {r['total_s']:6.1f} s  ({r['first_token_s']:.1f} s){graphs}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -452,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--png", default="bench-decode.png", help="plot (needs matplotlib: the [bench] extra)")
     bench.add_argument("--compile-times", nargs="*", default=[], metavar="CONFIG",
                        help="also time cold and warm warm-up of all default buckets for these configs, packaged and traced")
+    bench.add_argument("--compile-times-verify", type=positive_int, default=0, metavar="K",
+                       help="--compile-times: the engine also compiles a verify step for K drafts (n-gram drafter)")
     bench.add_argument("--speculative", nargs="+", choices=["ngram", "mtp", "replay"], default=None,
                        help="instead: compiled speculative decoding with these drafters against compiled plain "
                             "decoding on a copy workload, every layer made sliding (replay: the plain run's own "

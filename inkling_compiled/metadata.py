@@ -88,6 +88,34 @@ def _mark_unbacked(view: torch.Tensor, shape_id: str) -> None:
         torch._dynamo.decorators.mark_unbacked(view, 0)
 
 
+def _mark_batch(view: torch.Tensor, spec: PerRow | PerToken, batch: range, tokens_per_row: int) -> None:
+    """Gives a step's slice a symbolic leading dimension for the batch sizes in `batch`: rows (+ extra) for
+    a per-row field, rows x tokens_per_row for a per-token one (the step checks that relation itself,
+    `check_verify_shapes`)."""
+    if batch.start <= 1:
+        # One unbacked symbol for every slice of the same length: inductor then knows they are equal,
+        # fuses across them and checks it once per call.
+        per_row = isinstance(spec, PerRow) or tokens_per_row == 1
+        _mark_unbacked(view, f"rows+{spec.extra if isinstance(spec, PerRow) else 0}" if per_row
+                       else f"rows*{tokens_per_row}")
+    elif isinstance(spec, PerRow):
+        torch._dynamo.mark_dynamic(view, 0, min=batch.start + spec.extra, max=batch.stop - 1 + spec.extra)
+    elif tokens_per_row == 1:
+        torch._dynamo.mark_dynamic(view, 0, min=batch.start, max=batch.stop - 1)
+    else:  # its size is a multiple of the rows', which Dynamo learns from the step: not a free dimension
+        torch._dynamo.maybe_mark_dynamic(view, 0)
+
+
+def check_verify_shapes(md: StepMetadata) -> int:
+    """Tells the compiler how a verify step's slices relate (each its own symbol when marked): B + extra
+    entries per row, B x (K+1) per token, B the rows. Returns B. Checked at run time too."""
+    rows = md.cache_indices.shape[0]
+    for name, spec in BUFFER_SPECS.items():
+        size = getattr(md, name).shape[0]
+        torch._check(size == (rows + spec.extra if isinstance(spec, PerRow) else rows * (md.draft_tokens + 1)))
+    return rows
+
+
 _ALIGN = 16  # bytes: every field starts aligned for its dtype (and for vector loads)
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
@@ -166,10 +194,12 @@ class StepBuffers:
         self.verify_region = FieldRegion(max_batch_size, max_batch_size * (draft_tokens + 1), self.device, staged) \
             if draft_tokens else None
         self.metadata = StepMetadata(is_decode=True, **self.decode_region.fields)
-        # Set by a compiled decoder that serves many batch sizes with one graph: the slices of a batch
-        # size in this range get a symbolic leading dimension. A range from 1 marks it unbacked (Dynamo
-        # would otherwise specialise a size of one); from 2, dynamic with bounds.
+        # Set by a compiled decoder (verifier) that serves many batch sizes with one graph: the slices of
+        # a decode (verify) step whose batch size is in this range get a symbolic leading dimension. A
+        # range from 1 marks it unbacked (Dynamo would otherwise specialise a size of one); from 2,
+        # dynamic with bounds.
         self.symbolic_batch: range | None = None
+        self.verify_symbolic_batch: range | None = None
         self._decode_views: dict[int, dict[str, torch.Tensor]] = {}  # rows -> the fields of a decode step
         self._verify_views: dict[int, dict[str, torch.Tensor]] = {}  # rows -> the fields of a verify step
         self._arange = np.arange(max(self.max_tokens, max_batch_size * (draft_tokens + 1)) + 1, dtype=np.int64)
@@ -203,11 +233,11 @@ class StepBuffers:
                      for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
             if kept is not None:  # kept: a graph replays its bucket on these very tensors
                 kept[rows] = views
+                batch = self.symbolic_batch if kind == "decode" else self.verify_symbolic_batch
                 for name, view in views.items():
                     mark_static(view)
-                    spec = BUFFER_SPECS[name]
-                    if kind == "decode":  # verify graphs are static per bucket
-                        self._mark_symbolic(view, rows, spec.extra if isinstance(spec, PerRow) else 0)
+                    if batch is not None and rows in batch:
+                        _mark_batch(view, BUFFER_SPECS[name], batch, self.draft_tokens + 1 if kind == "verify" else 1)
         md = self.metadata
         md.is_decode = kind == "decode"
         md.draft_tokens = self.draft_tokens if kind == "verify" else 0
@@ -222,17 +252,6 @@ class StepBuffers:
         self._decode_views.clear()
         if self.last_step is not None and self.last_step[0] == "decode":
             self._publish(*self.last_step)
-
-    def _mark_symbolic(self, view: torch.Tensor, rows: int, extra: int) -> None:
-        batch = self.symbolic_batch
-        if batch is None or rows not in batch:
-            return
-        if batch.start <= 1:
-            # One unbacked symbol for every slice of the batch's length (and one for B+1): inductor then
-            # knows they are equal, fuses across them and checks it once per call.
-            _mark_unbacked(view, f"rows+{extra}")
-        else:
-            torch._dynamo.mark_dynamic(view, 0, min=batch.start + extra, max=batch.stop - 1 + extra)
 
     def _fill_sampling(self, sampling: list[RowSampling], rows: int) -> None:
         h, n = self._h, len(sampling)

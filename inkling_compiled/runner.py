@@ -13,7 +13,7 @@ from torch import nn
 from .backend import StepBackend
 from .cache.pool import each_layer
 from .graphs.capture import INSTANCE_SOURCE
-from .metadata import StepMetadata
+from .metadata import StepMetadata, check_verify_shapes
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
 from .sampling import MAX_TOP_LOGPROBS, sample, verify_drafts
@@ -103,9 +103,9 @@ def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bo
     The conv ops save each token's window and leave the slots alone; the commit comes after."""
     md: StepMetadata = backend.metadata
     T_d = md.draft_tokens + 1
+    B = check_verify_shapes(md)
     hidden = model.hidden_states(md.input_ids, backend.context)
     logits = model.logits(hidden)
-    B = logits.shape[0] // T_d
     tokens, accepted, logprobs = verify_drafts(logits.view(B, T_d, -1), md.input_ids.view(B, T_d), md.drafted,
                                                md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
     chosen, top_ids, top_vals = _top(tokens.reshape(-1), logprobs)
@@ -139,7 +139,7 @@ class DecodeStep(nn.Module):
 
 
 class VerifyStep(nn.Module):
-    """The verify step as a module for the compiler, like `DecodeStep`; one static graph per bucket."""
+    """The verify step as a module for the compiler, like `DecodeStep`; one graph serves every bucket."""
 
     GUARDED_SOURCES = DecodeStep.GUARDED_SOURCES
 

@@ -94,10 +94,11 @@ class Worker:
             buffers = self.backend.buffers
             buffers.symbolic_batch = None if decoder.load_package() else decoder.symbolic_batch
             decoder.on_unpackage = lambda: buffers.mark_for_tracing(decoder.symbolic_batch)
-            if draft_tokens:  # verify graphs: static, one per bucket (for this K)
-                steps[StepKind.VERIFY] = CompiledStep(VerifyStep(model, self.backend, with_hidden),
-                                                      self.backend.prepare_verify_padding, graph_per_bucket=True,
-                                                      **options)
+            if draft_tokens:  # verify: batch-symbolic like decode (for this K), never packaged
+                verifier = steps[StepKind.VERIFY] = CompiledStep(
+                    VerifyStep(model, self.backend, with_hidden), self.backend.prepare_verify_padding,
+                    graph_per_bucket=graph_per_bucket, specialize_batch_one=specialize_batch_one, **options)
+                buffers.verify_symbolic_batch = verifier.symbolic_batch
         self.runner = Runner(model, self.backend, steps, with_hidden)
         # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
         self.torch_state = PinnedTorchState()

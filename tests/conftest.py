@@ -64,6 +64,14 @@ def hf_model(checkpoint):
     return get
 
 
+def has_symbolic_batch(gm) -> bool:
+    """Whether a recorded step graph's metadata inputs all have a symbolic leading (batch) dimension."""
+    sizes = [n.meta["example_value"].shape[0] for n in gm.graph.find_nodes(op="placeholder")
+             if "metadata" in n.name and isinstance(n.meta.get("example_value"), torch.Tensor)]
+    assert sizes
+    return all(isinstance(s, torch.SymInt) for s in sizes)
+
+
 def random_prompt(length, seed, low=3, high=259):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, (length,), generator=g).tolist()

@@ -16,7 +16,7 @@ from inkling_compiled.spec import Drafter
 from inkling_compiled.step_plan import StepKind
 from inkling_compiled.streams import STREAM_NAMES
 
-from conftest import PARITY_CONFIGS, PARITY_LENGTHS, random_prompt
+from conftest import PARITY_CONFIGS, PARITY_LENGTHS, has_symbolic_batch, random_prompt
 
 GREEDY = SamplingParams(max_new_tokens=10, logprobs=True, ignore_eos=True)
 
@@ -46,14 +46,6 @@ def _full_sconv_census(gm, layers: int) -> None:
     assert c["ops"].get("inkling::wait_layer", 0) == 0  # no HiCache barrier unless asked for
 
 
-def _symbolic_batch(gm) -> bool:
-    """Whether the graph's metadata inputs have a symbolic leading (batch) dimension."""
-    sizes = [n.meta["example_value"].shape[0] for n in gm.graph.find_nodes(op="placeholder")
-             if "metadata" in n.name and isinstance(n.meta.get("example_value"), torch.Tensor)]
-    assert sizes
-    return all(isinstance(s, torch.SymInt) for s in sizes)
-
-
 @pytest.mark.parametrize("name, inner", [("tiny", "eager"), ("tiny-k3", "eager"), ("tiny", "aot_eager")])
 def test_one_symbolic_graph_serves_every_bucket_no_breaks_and_a_full_sconv_census(name, inner, checkpoint):
     """Default buckets 1..32: one graph with a symbolic batch serves them all, and any batch size up
@@ -62,7 +54,7 @@ def test_one_symbolic_graph_serves_every_bucket_no_breaks_and_a_full_sconv_censu
     engine = compiled_engine(checkpoint, name, max_batch_size=32, compile_backend=recorder)
     assert engine.worker.decoder.buckets == DEFAULT_BUCKETS
     assert engine.worker.decoder.graphs() == [DEFAULT_BUCKETS]
-    assert len(recorder.graphs) == 1 and _symbolic_batch(recorder.graphs[0])
+    assert len(recorder.graphs) == 1 and has_symbolic_batch(recorder.graphs[0])
     assert not torch._dynamo.utils.counters["graph_break"]
     _full_sconv_census(recorder.graphs[0], engine.config.num_hidden_layers)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -75,7 +67,7 @@ def test_batch_one_specialised_is_its_own_static_graph(checkpoint):
     recorder = GraphRecorder("eager")
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=8, compile_backend=recorder, specialize_batch_one=True)
     assert engine.worker.decoder.graphs() == [(1,), (2, 4, 8)]
-    assert [_symbolic_batch(gm) for gm in recorder.graphs] == [False, True]
+    assert [has_symbolic_batch(gm) for gm in recorder.graphs] == [False, True]
     for gm in recorder.graphs:
         _full_sconv_census(gm, engine.config.num_hidden_layers)
 
@@ -84,7 +76,7 @@ def test_graph_per_bucket_compiles_each_bucket_and_refuses_other_sizes(checkpoin
     recorder = GraphRecorder("eager")
     engine = compiled_engine(checkpoint, "tiny", max_batch_size=8, compile_backend=recorder, graph_per_bucket=True)
     assert engine.worker.decoder.graphs() == [(1,), (2,), (4,), (8,)]
-    assert not any(_symbolic_batch(gm) for gm in recorder.graphs)
+    assert not any(has_symbolic_batch(gm) for gm in recorder.graphs)
     for gm in recorder.graphs:
         _full_sconv_census(gm, engine.config.num_hidden_layers)
     # after warm-up, a shape outside the buckets must not silently compile a new graph

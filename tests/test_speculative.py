@@ -12,7 +12,7 @@ from inkling_compiled.spec import Drafter, NgramDrafter
 from inkling_compiled.step_plan import StepKind
 from inkling_compiled.streams import MODEL_STREAMS
 
-from conftest import random_prompt
+from conftest import has_symbolic_batch, random_prompt
 
 GREEDY = SamplingParams(max_new_tokens=14, logprobs=True, ignore_eos=True)
 
@@ -446,9 +446,10 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_verify_graphs_one_per_bucket_no_breaks_and_a_full_census(checkpoint, fresh_dynamo):
-    """K=3: a static verify graph per bucket with every (layer, stream) conv as sconv_verify (none decodes),
-    one kv_write per layer, zero graph breaks; replays never recompile."""
+def test_one_symbolic_verify_graph_no_breaks_and_a_full_census(checkpoint, fresh_dynamo):
+    """K=3: one verify graph with a symbolic batch serves both buckets, with every (layer, stream) conv
+    as sconv_verify (none decodes), one kv_write per layer, zero graph breaks; replays (of 3 rows and of
+    1, padded) never recompile."""
     from inkling_compiled.graphs import GraphRecorder, census
     from inkling_compiled.streams import STREAM_NAMES
 
@@ -460,11 +461,11 @@ def test_verify_graphs_one_per_bucket_no_breaks_and_a_full_census(checkpoint, fr
 
     engine = engine_for(checkpoint, compile=True, max_batch_size=4, buckets=(2, 4), compile_backend=recorder,
                         speculative=Threes(), num_speculative_tokens=3)
-    assert engine.worker.decoder.graphs() == [(2, 4)] and engine.worker.verifier.graphs() == [(2,), (4,)]
+    assert engine.worker.decoder.graphs() == [(2, 4)] and engine.worker.verifier.graphs() == [(2, 4)]
     assert not torch._dynamo.utils.counters["graph_break"]
     layers = engine.config.num_hidden_layers
     verify_graphs = [gm for gm in recorder.graphs if "inkling::sconv_verify" in census(gm)["ops"]]
-    assert len(verify_graphs) == 2
+    assert len(verify_graphs) == 1 and has_symbolic_batch(verify_graphs[0])
     for gm in verify_graphs:
         c = census(gm)
         calls = sorted((x["layer"], x["stream"]) for x in c["custom_calls"] if x["op"] == "inkling::sconv_verify")
@@ -477,6 +478,21 @@ def test_verify_graphs_one_per_bucket_no_breaks_and_a_full_census(checkpoint, fr
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
     assert engine.stats()["verify_steps"] >= 5 and engine.stats()["decode_steps"] == 0
     assert all(len(o.token_ids) == 6 for o in outs)
+    engine.generate([[4, 5]], SamplingParams(max_new_tokens=3, ignore_eos=True))  # one row, in bucket 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
+def test_verify_with_batch_one_specialised(checkpoint, fresh_dynamo):
+    """specialize_batch_one: bucket 1 verifies on a static graph of its own, the others on one symbolic
+    graph whose token dimension is a multiple of its rows (Dynamo learns it from the step's checks)."""
+    from inkling_compiled.graphs import GraphRecorder, census
+
+    recorder = GraphRecorder("eager")
+    engine = engine_for(checkpoint, compile=True, max_batch_size=4, buckets=(1, 2, 4), compile_backend=recorder,
+                        speculative="ngram", num_speculative_tokens=2, specialize_batch_one=True)
+    assert engine.worker.verifier.graphs() == [(1,), (2, 4)]
+    verify_graphs = [gm for gm in recorder.graphs if "inkling::sconv_verify" in census(gm)["ops"]]
+    assert [has_symbolic_batch(gm) for gm in verify_graphs] == [False, True]
 
 
 def test_compiled_verify_equals_eager_plain_decoding_across_a_split_batch(checkpoint, plain_outputs, fresh_dynamo):
