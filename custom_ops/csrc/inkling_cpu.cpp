@@ -666,83 +666,118 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // unlike in the conv kernels, which must round exactly as their references do.
 #define INKLING_INLINE static inline __attribute__((always_inline))
 
-// 16 floats; each clone lowers it to its own registers (one zmm, two ymm, four xmm). Loads and stores
-// go through memcpy: nothing here is aligned.
-#pragma GCC diagnostic ignored "-Wpsabi"  // vec16 never crosses a call: every helper is inlined
-typedef float vec16 __attribute__((vector_size(64)));
-INKLING_INLINE vec16 load16(const float* p) {
-  vec16 v;
+// A vector of W floats, W the width of one register of the build that uses it: 16 for AVX-512 (zmm),
+// 8 for AVX2 (ymm), 4 for the portable build (xmm). A wider vector than the build has registers for
+// has no machine mode: GCC keeps it on the stack and every operation goes through memory (the AVX2
+// build spent most of its time there when it used 16-float vectors). Loads and stores go through
+// memcpy: nothing here is aligned.
+#pragma GCC diagnostic ignored "-Wpsabi"  // vectors never cross a call: every helper is inlined
+template <int W> struct Lanes;
+template <> struct Lanes<16> {
+  typedef float f __attribute__((vector_size(64)));
+  typedef int32_t i __attribute__((vector_size(64)));
+};
+template <> struct Lanes<8> {
+  typedef float f __attribute__((vector_size(32)));
+  typedef int32_t i __attribute__((vector_size(32)));
+};
+template <> struct Lanes<4> {
+  typedef float f __attribute__((vector_size(16)));
+  typedef int32_t i __attribute__((vector_size(16)));
+};
+template <int W> using vecf = typename Lanes<W>::f;
+template <int W> using veci = typename Lanes<W>::i;
+typedef vecf<16> vec16;
+typedef vecf<8> vec8;
+typedef vecf<4> vec4;
+
+template <int W>
+INKLING_INLINE vecf<W> loadv(const float* p) {
+  vecf<W> v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-INKLING_INLINE void store16(float* p, vec16 v) { std::memcpy(p, &v, sizeof v); }
-
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec4 __attribute__((vector_size(16)));
-// The 16 lanes summed as a tree (halves, then quarters, then pairs): a fixed order, and a quarter of
-// the dependent adds of a lane-by-lane sum, which at 8+ rows cost as much as the dot products.
-INKLING_INLINE float sum16(vec16 v) {
-  const vec8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vec4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
+template <int W>
+INKLING_INLINE void storev(float* p, vecf<W> v) {
+  std::memcpy(p, &v, sizeof v);
 }
+INKLING_INLINE vec16 load16(const float* p) { return loadv<16>(p); }
+INKLING_INLINE void store16(float* p, vec16 v) { storev<16>(p, v); }
+
+// The low half plus the high half of a vector.
+INKLING_INLINE vec8 fold(vec16 v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+INKLING_INLINE vec4 fold(vec8 v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+}
+// The lanes summed as a tree (halves, then quarters, then pairs): a fixed order, and a fraction of
+// the dependent adds of a lane-by-lane sum, which at 8+ rows cost as much as the dot products.
+INKLING_INLINE float sumv(vec4 q) { return (q[0] + q[2]) + (q[1] + q[3]); }
+INKLING_INLINE float sumv(vec8 v) { return sumv(fold(v)); }
+INKLING_INLINE float sumv(vec16 v) { return sumv(fold(v)); }
 
 // How far ahead (floats) the kernels ask for weights: memory latency here is long enough that the
 // hardware prefetcher alone leaves a single thread well short of the bandwidth.
 constexpr int64_t kPrefetch = 256;
 
-// W rows contiguous ([O, H] row-major): R rows x C outputs of dot products, 16-wide partial sums.
-template <int R, int C>
+// W rows contiguous ([O, H] row-major): R rows x C outputs of dot products, W-wide partial sums.
+template <int W, int R, int C>
 INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t w_o, int64_t O, float* y,
                                int64_t ahead) {
-  vec16 acc[R][C] = {};
+  vecf<W> acc[R][C] = {};
   int64_t h = 0;
-  for (; h + 16 <= H; h += 16) {
+  for (; h + W <= H; h += W) {
+    if (W == 16 || h % 16 == 0) {  // one request per 64-byte line
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * w_o + ahead + h, 0, 2);
-    vec16 xv[R];
+      for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * w_o + ahead + h, 0, 2);
+    }
+    vecf<W> xv[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) xv[r] = load16(x + r * H + h);
+    for (int r = 0; r < R; ++r) xv[r] = loadv<W>(x + r * H + h);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const vec16 wv = load16(w + c * w_o + h);
+      const vecf<W> wv = loadv<W>(w + c * w_o + h);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][c] += xv[r] * wv;
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float total = sum16(acc[r][c]);
+      float total = sumv(acc[r][c]);
       for (int64_t t = h; t < H; ++t) total += x[r * H + t] * w[c * w_o + t];
       y[r * O + c] = total;
     }
 }
 
 // One panel of outputs [o, o + width) of W's layout for R rows: 4 outputs, or the last panel's rest.
-template <int R>
+template <int W, int R>
 INKLING_INLINE void dot_panel(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t o,
                               int64_t width, float* y) {
   const int64_t ahead = 4 * w_o;  // the next panel, so that it streams in while this one is reused
   if (width == 4) {
-    dot_block<R, 4>(x, H, w + o * w_o, w_o, O, y + o, ahead);
+    dot_block<W, R, 4>(x, H, w + o * w_o, w_o, O, y + o, ahead);
     return;
   }
-  for (int64_t c = o; c < o + width; ++c) dot_block<R, 1>(x, H, w + c * w_o, w_o, O, y + c, ahead);
+  for (int64_t c = o; c < o + width; ++c) dot_block<W, R, 1>(x, H, w + c * w_o, w_o, O, y + c, ahead);
 }
 
 // W's layout, outputs [o0, o1) (o0 a multiple of 4): panels of 4 outputs outermost, so that a panel
-// (4 rows of W) comes from memory once and serves every block of rows from cache.
+// (4 rows of W) comes from memory once and serves every block of rows from cache. Rows go 4 at a time
+// where there are 32 registers (16 accumulators), 2 at a time where there are 16.
+template <int W>
 INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
                                 int64_t o0, int64_t o1, float* y) {
+  constexpr int kRows = W == 16 ? 4 : 2;
   for (int64_t o = o0; o < o1; o += 4) {
     const int64_t width = std::min<int64_t>(4, o1 - o);
     int64_t r = 0;
-    for (; r + 4 <= n; r += 4) dot_panel<4>(x + r * H, H, w, O, w_o, o, width, y + r * O);
+    for (; r + kRows <= n; r += kRows) dot_panel<W, kRows>(x + r * H, H, w, O, w_o, o, width, y + r * O);
     switch (n - r) {
-      case 3: dot_panel<3>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
-      case 2: dot_panel<2>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
-      case 1: dot_panel<1>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+      case 3: dot_panel<W, 3>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+      case 2: dot_panel<W, 2>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+      case 1: dot_panel<W, 1>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
       default: break;
     }
   }
@@ -754,32 +789,33 @@ constexpr int64_t kGroup = 8;  // rows of W^T read together (axpy_outputs below)
 // h in [h0, h1): W^T is read kGroup of its rows at a time, front to back, so that the weight streams in
 // order; each group adds its kGroup terms to every row's partial sums in y (cache-resident). Every
 // output sums its terms in order h = h0, h0 + 1, ..., whatever the grouping.
+template <int W>
 INKLING_INLINE void axpy_outputs(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_h,
                                  int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
-  const int64_t full = o0 + (o1 - o0) / 16 * 16;
+  const int64_t full = o0 + (o1 - o0) / W * W;
   for (int64_t hg = h0; hg < h1; hg += kGroup) {
     const int64_t g = std::min(kGroup, h1 - hg);
     const float* wg = w + hg * w_h;
-    for (int64_t o = o0; o < full; o += 16) {
-      vec16 wv[kGroup];
+    for (int64_t o = o0; o < full; o += W) {
+      vecf<W> wv[kGroup];
       for (int64_t j = 0; j < g; ++j) {
-        __builtin_prefetch(wg + j * w_h + o + kPrefetch);
-        wv[j] = load16(wg + j * w_h + o);
+        if (W == 16 || o % 16 == 0) __builtin_prefetch(wg + j * w_h + o + kPrefetch);  // one per line
+        wv[j] = loadv<W>(wg + j * w_h + o);
       }
       for (int64_t r = 0; r < n; ++r) {
         const float* xr = x + r * H + hg;
         float* yr = y + r * O + o;
-        vec16 acc = hg == h0 ? vec16{} : load16(yr);
+        vecf<W> acc = hg == h0 ? vecf<W>{} : loadv<W>(yr);
         if (g == kGroup) {
 #pragma GCC unroll 8
           for (int64_t j = 0; j < kGroup; ++j) acc += xr[j] * wv[j];
         } else {
           for (int64_t j = 0; j < g; ++j) acc += xr[j] * wv[j];
         }
-        store16(yr, acc);
+        storev<W>(yr, acc);
       }
     }
-    for (int64_t o = full; o < o1; ++o)  // the columns past the last full 16: plain loops
+    for (int64_t o = full; o < o1; ++o)  // the columns past the last full vector: plain loops
       for (int64_t r = 0; r < n; ++r) {
         float total = hg == h0 ? 0.0f : y[r * O + o];
         for (int64_t j = 0; j < g; ++j) total += x[r * H + hg + j] * wg[j * w_h + o];
@@ -790,80 +826,86 @@ INKLING_INLINE void axpy_outputs(const float* x, int64_t n, int64_t H, const flo
 
 // y[n, O] (row stride O) = the terms h in [h0, h1) of x @ W^T, for outputs [o0, o1). W's layout
 // (w_h == 1) takes every term at once (h0 = 0, h1 = H).
+template <int W>
 INKLING_INLINE void matmul_outputs(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
                                    int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
-  if (w_h == 1) dot_outputs(x, n, H, w, O, w_o, o0, o1, y);
-  else axpy_outputs(x, n, H, w, O, w_h, o0, o1, h0, h1, y);
+  if (w_h == 1) dot_outputs<W>(x, n, H, w, O, w_o, o0, o1, y);
+  else axpy_outputs<W>(x, n, H, w, O, w_h, o0, o1, h0, h1, y);
 }
 
-#define INKLING_MATMUL_FOR(isa_name, features)                                                                 \
+#define INKLING_MATMUL_FOR(isa_name, features, width)                                                          \
   __attribute__((target(features), optimize("fp-contract=fast"))) void matmul_outputs_##isa_name(              \
       const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h, int64_t o0,    \
       int64_t o1, int64_t h0, int64_t h1, float* y) {                                                           \
-    matmul_outputs(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, y);                                                 \
+    matmul_outputs<width>(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, y);                                          \
   }
-INKLING_MATMUL_FOR(avx512, "avx512f,avx512vl,avx2,fma")
-INKLING_MATMUL_FOR(avx2, "avx2,fma")
+INKLING_MATMUL_FOR(avx512, "avx512f,avx512vl,avx2,fma", 16)
+INKLING_MATMUL_FOR(avx2, "avx2,fma", 8)
 
+template <int W>
 INKLING_INLINE float dot_body(const float* a, const float* b, int64_t n) {
-  vec16 acc = {};
+  vecf<W> acc = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
-  float total = sum16(acc);
+  for (; i + W <= n; i += W) acc += loadv<W>(a + i) * loadv<W>(b + i);
+  float total = sumv(acc);
   for (; i < n; ++i) total += a[i] * b[i];
   return total;
 }
 
+template <int W>
 INKLING_INLINE void axpy_body(float s, const float* x, float* y, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(y + i, load16(y + i) + s * load16(x + i));
+  for (; i + W <= n; i += W) storev<W>(y + i, loadv<W>(y + i) + s * loadv<W>(x + i));
   for (; i < n; ++i) y[i] += s * x[i];
 }
 
-typedef int32_t ivec16 __attribute__((vector_size(64)));
-
-// e^x in 16 lanes: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by Cephes' degree-7
+// e^x in W lanes: x = n ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by Cephes' degree-7
 // polynomial, times 2^n (as 2^a 2^b, a + b = n, so that n = 128 still has exponent bits); within 2 ulp
 // of std::exp, 0 below -87.3 (where std::exp is denormal) and inf above log(FLT_MAX). The softmax and
-// SiLU use it in place of 16 calls of std::exp.
-INKLING_INLINE vec16 exp16(vec16 x) {
-  const vec16 lo = vec16{} - 87.3365447f, hi = vec16{} + 88.7228394f;
-  const vec16 c = x < lo ? lo : (x > hi ? hi : x);
-  const vec16 shifter = vec16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vec16 n = (c * 1.44269504f + shifter) - shifter;
-  vec16 r = c - n * 0.693359375f;
+// SiLU use it in place of W calls of std::exp.
+template <int W>
+INKLING_INLINE vecf<W> expv(vecf<W> x) {
+  typedef vecf<W> V;
+  const V lo = V{} - 87.3365447f, hi = V{} + 88.7228394f;
+  const V c = x < lo ? lo : (x > hi ? hi : x);
+  const V shifter = V{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V n = (c * 1.44269504f + shifter) - shifter;
+  V r = c - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vec16 p = vec16{} + 1.9875691500e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const vec16 e = p * (r * r) + r + 1.0f;
-  const ivec16 whole = __builtin_convertvector(n, ivec16), half = whole >> 1;
-  const ivec16 bits_a = (half + 127) << 23, bits_b = (whole - half + 127) << 23;
-  vec16 scale_a, scale_b;
+  const V e = p * (r * r) + r + 1.0f;
+  const veci<W> whole = __builtin_convertvector(n, veci<W>), half = whole >> 1;
+  const veci<W> bits_a = (half + 127) << 23, bits_b = (whole - half + 127) << 23;
+  V scale_a, scale_b;
   std::memcpy(&scale_a, &bits_a, sizeof scale_a);
   std::memcpy(&scale_b, &bits_b, sizeof scale_b);
-  const vec16 out = (e * scale_a) * scale_b;
-  return x < lo ? vec16{} : (x > hi ? vec16{} + INFINITY : out);
+  const V out = (e * scale_a) * scale_b;
+  return x < lo ? V{} : (x > hi ? V{} + INFINITY : out);
 }
+INKLING_INLINE vec16 exp16(vec16 x) { return expv<16>(x); }
 
-// exp16 over n floats in place; the tail through a padded copy.
+// expv over n floats in place; the tail through a padded copy.
+template <int W>
 INKLING_INLINE void exp_in_place(float* x, int64_t n, float shift) {
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) store16(x + j, exp16(load16(x + j) - shift));
+  for (; j + W <= n; j += W) storev<W>(x + j, expv<W>(loadv<W>(x + j) - shift));
   if (j < n) {
-    float tail[16];
-    std::fill(tail, tail + 16, -INFINITY);
+    float tail[W];
+    std::fill(tail, tail + W, -INFINITY);
     std::copy(x + j, x + n, tail);
-    const vec16 e = exp16(load16(tail) - shift);
+    const vecf<W> e = expv<W>(loadv<W>(tail) - shift);
     std::memcpy(tail, &e, sizeof e);
     std::copy(tail, tail + (n - j), x + j);
   }
 }
 
 // Each of g rows of n scores: s = s * scale + bias, then its softmax in place.
+template <int W>
 INKLING_INLINE void softmax_rows_body(float* s, const float* bias, int64_t g, int64_t n, float scale) {
   for (int64_t h = 0; h < g; ++h) {
     float* sh = s + h * n;
@@ -873,36 +915,33 @@ INKLING_INLINE void softmax_rows_body(float* s, const float* bias, int64_t g, in
       sh[j] = sh[j] * scale + bh[j];
       mx = sh[j] > mx ? sh[j] : mx;
     }
-    exp_in_place(sh, n, mx);
-    vec16 acc = {};
+    exp_in_place<W>(sh, n, mx);
+    vecf<W> acc = {};
     int64_t j = 0;
-    for (; j + 16 <= n; j += 16) acc += load16(sh + j);
-    float total = sum16(acc);
+    for (; j + W <= n; j += W) acc += loadv<W>(sh + j);
+    float total = sumv(acc);
     for (; j < n; ++j) total += sh[j];
     for (j = 0; j < n; ++j) sh[j] = sh[j] / total;
   }
 }
 
 // act[p, :] = silu(gate) * up for rows gu[p] = [gate (I) | up (I)].
+template <int W>
 INKLING_INLINE void silu_mul_body(const float* gu, int64_t rows, int64_t I, float* act) {
   for (int64_t p = 0; p < rows; ++p) {
     const float* g = gu + p * 2 * I;
     const float* u = g + I;
     float* a = act + p * I;
     for (int64_t i = 0; i < I; ++i) a[i] = -g[i];
-    exp_in_place(a, I, 0.0f);
+    exp_in_place<W>(a, I, 0.0f);
     for (int64_t i = 0; i < I; ++i) a[i] = (g[i] / (1.0f + a[i])) * u[i];
   }
 }
 
-// The sums of four 16-lane vectors, each by sum16's tree (so bit for bit what sum16 gives), with the
-// shuffles shared.
-INKLING_INLINE vec4 sum16x4(vec16 a0, vec16 a1, vec16 a2, vec16 a3) {
-  auto halves = [](vec16 v) -> vec8 {
-    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  };
-  const vec8 t0 = halves(a0), t1 = halves(a1), t2 = halves(a2), t3 = halves(a3);
+// The sums of four vectors, each by sumv's tree (so bit for bit what sumv gives); for 16 lanes with
+// the shuffles shared.
+INKLING_INLINE vec4 sum4(vec16 a0, vec16 a1, vec16 a2, vec16 a3) {
+  const vec8 t0 = fold(a0), t1 = fold(a1), t2 = fold(a2), t3 = fold(a3);
   const vec8 u01 = __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11) +
                    __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15);
   const vec8 u23 = __builtin_shufflevector(t2, t3, 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -911,18 +950,21 @@ INKLING_INLINE vec4 sum16x4(vec16 a0, vec16 a1, vec16 a2, vec16 a3) {
                  __builtin_shufflevector(u01, u23, 2, 3, 6, 7, 10, 11, 14, 15);
   return __builtin_shufflevector(v, v, 0, 2, 4, 6) + __builtin_shufflevector(v, v, 1, 3, 5, 7);
 }
+template <class V>
+INKLING_INLINE vec4 sum4(V a0, V a1, V a2, V a3) {
+  return vec4{sumv(a0), sumv(a1), sumv(a2), sumv(a3)};
+}
 
 // Decode attention for the g query heads that share a kv head: each key and value row is read from
 // memory once for all of them. Row j is at base + loc[j] * stride; q and acc are [g, hd], s and p are
-// [g, n]. V = hd / 16 when hd is 64 or 128 (the row in registers), 0 for any other hd.
-// Key and value rows come from all over the cache (L3 or memory at batch 32): asked for this many rows
-// ahead of their use.
+// [g, n]. V = hd / W: the row in V registers (0: generic loops, any hd). Key and value rows come from all over the cache (L3 or memory at batch 32): asked for
+// this many rows ahead of their use, one request per 64-byte line.
 constexpr int64_t kRowsAhead = 16;
-INKLING_INLINE void prefetch_row(const float* row, int lines) {
-  for (int i = 0; i < lines; ++i) __builtin_prefetch(row + 16 * i);
+INKLING_INLINE void prefetch_row(const float* row, int64_t hd) {
+  for (int64_t i = 0; i < hd; i += 16) __builtin_prefetch(row + i);
 }
 
-template <int V>
+template <int W, int V>
 INKLING_INLINE void group_dots_rows(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride,
                                     const int64_t* loc, int64_t n, float* s) {
   int64_t j = 0;
@@ -930,64 +972,69 @@ INKLING_INLINE void group_dots_rows(const float* q, int64_t g, int64_t hd, const
     for (; j + 4 <= n; j += 4) {  // four keys at a time, their sums reduced together
       const float* k[4] = {base + loc[j] * stride, base + loc[j + 1] * stride, base + loc[j + 2] * stride,
                            base + loc[j + 3] * stride};
-      for (int64_t c = j + kRowsAhead; c < std::min(n, j + kRowsAhead + 4); ++c) prefetch_row(base + loc[c] * stride, V);
+      for (int64_t c = j + kRowsAhead; c < std::min(n, j + kRowsAhead + 4); ++c) prefetch_row(base + loc[c] * stride, hd);
       for (int64_t h = 0; h < g; ++h) {
-        vec16 acc[4] = {};
+        vecf<W> acc[4] = {};
 #pragma GCC unroll 8
         for (int i = 0; i < V; ++i) {
-          const vec16 qv = load16(q + h * hd + 16 * i);
+          const vecf<W> qv = loadv<W>(q + h * hd + W * i);
 #pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) acc[c] += qv * load16(k[c] + 16 * i);
+          for (int c = 0; c < 4; ++c) acc[c] += qv * loadv<W>(k[c] + W * i);
         }
-        const vec4 sums = sum16x4(acc[0], acc[1], acc[2], acc[3]);
+        const vec4 sums = sum4(acc[0], acc[1], acc[2], acc[3]);
         for (int c = 0; c < 4; ++c) s[h * n + j + c] = sums[c];
       }
     }
   }
   for (; j < n; ++j) {
     const float* kj = base + loc[j] * stride;
-    for (int64_t h = 0; h < g; ++h) s[h * n + j] = dot_body(q + h * hd, kj, hd);
+    for (int64_t h = 0; h < g; ++h) s[h * n + j] = dot_body<W>(q + h * hd, kj, hd);
   }
 }
 
-template <int V>
+template <int W, int V>
 INKLING_INLINE void group_values_rows(const float* p, int64_t g, int64_t n, const float* base, int64_t stride,
                                       const int64_t* loc, int64_t hd, float* acc) {
   if constexpr (V > 0) {
     for (int64_t h = 0; h < g; ++h) {  // the head's sums stay in registers over every value row
-      vec16 sum[V];
+      vecf<W> sum[V];
 #pragma GCC unroll 8
-      for (int i = 0; i < V; ++i) sum[i] = load16(acc + h * hd + 16 * i);
+      for (int i = 0; i < V; ++i) sum[i] = loadv<W>(acc + h * hd + W * i);
       for (int64_t j = 0; j < n; ++j) {
         const float* vj = base + loc[j] * stride;
-        if (h == 0 && j + kRowsAhead < n) prefetch_row(base + loc[j + kRowsAhead] * stride, V);
+        if (h == 0 && j + kRowsAhead < n) prefetch_row(base + loc[j + kRowsAhead] * stride, hd);
         const float pj = p[h * n + j];
 #pragma GCC unroll 8
-        for (int i = 0; i < V; ++i) sum[i] += pj * load16(vj + 16 * i);
+        for (int i = 0; i < V; ++i) sum[i] += pj * loadv<W>(vj + W * i);
       }
 #pragma GCC unroll 8
-      for (int i = 0; i < V; ++i) store16(acc + h * hd + 16 * i, sum[i]);
+      for (int i = 0; i < V; ++i) storev<W>(acc + h * hd + W * i, sum[i]);
     }
   } else {
     for (int64_t j = 0; j < n; ++j) {
       const float* vj = base + loc[j] * stride;
-      for (int64_t h = 0; h < g; ++h) axpy_body(p[h * n + j], vj, acc + h * hd, hd);
+      for (int64_t h = 0; h < g; ++h) axpy_body<W>(p[h * n + j], vj, acc + h * hd, hd);
     }
   }
 }
 
+// The row in registers for head_dim 64 and 128 where it fits in 8 vectors; the generic loops otherwise.
+template <int W>
 INKLING_INLINE void group_dots_body(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride,
                                     const int64_t* loc, int64_t n, float* s) {
-  if (hd == 64) group_dots_rows<4>(q, g, hd, base, stride, loc, n, s);
-  else if (hd == 128) group_dots_rows<8>(q, g, hd, base, stride, loc, n, s);
-  else group_dots_rows<0>(q, g, hd, base, stride, loc, n, s);
+  constexpr int V64 = 64 / W <= 8 ? 64 / W : 0, V128 = 128 / W <= 8 ? 128 / W : 0;
+  if (V64 && hd == 64) group_dots_rows<W, V64>(q, g, hd, base, stride, loc, n, s);
+  else if (V128 && hd == 128) group_dots_rows<W, V128>(q, g, hd, base, stride, loc, n, s);
+  else group_dots_rows<W, 0>(q, g, hd, base, stride, loc, n, s);
 }
 
+template <int W>
 INKLING_INLINE void group_values_body(const float* p, int64_t g, int64_t n, const float* base, int64_t stride,
                                       const int64_t* loc, int64_t hd, float* acc) {
-  if (hd == 64) group_values_rows<4>(p, g, n, base, stride, loc, hd, acc);
-  else if (hd == 128) group_values_rows<8>(p, g, n, base, stride, loc, hd, acc);
-  else group_values_rows<0>(p, g, n, base, stride, loc, hd, acc);
+  constexpr int V64 = 64 / W <= 8 ? 64 / W : 0, V128 = 128 / W <= 8 ? 128 / W : 0;
+  if (V64 && hd == 64) group_values_rows<W, V64>(p, g, n, base, stride, loc, hd, acc);
+  else if (V128 && hd == 128) group_values_rows<W, V128>(p, g, n, base, stride, loc, hd, acc);
+  else group_values_rows<W, 0>(p, g, n, base, stride, loc, hd, acc);
 }
 
 // Prefill attention in tiles: up to kTileLanes (query, head) lanes of one sequence and kv head (a
@@ -1079,26 +1126,27 @@ INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const float* v
     for (int h = 0; h < 2; ++h) store16(ot + d * kTileLanes + 16 * h, load16(ot + d * kTileLanes + 16 * h) / total[h]);
 }
 
-// Built per instruction set, like the matmul; `attributes` empty gives the portable build.
-#define INKLING_VECTOR_FOR(isa_name, attributes)                                                              \
+// Built per instruction set, like the matmul, each on vectors of its register width; `attributes`
+// empty gives the portable build (SSE2, 4 floats).
+#define INKLING_VECTOR_FOR(isa_name, attributes, width)                                                       \
   attributes void group_dots_##isa_name(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride, \
                                         const int64_t* loc, int64_t n, float* s) {                              \
-    group_dots_body(q, g, hd, base, stride, loc, n, s);                                                        \
+    group_dots_body<width>(q, g, hd, base, stride, loc, n, s);                                                 \
   }                                                                                                            \
   attributes void group_values_##isa_name(const float* p, int64_t g, int64_t n, const float* base,             \
                                           int64_t stride, const int64_t* loc, int64_t hd, float* acc) {         \
-    group_values_body(p, g, n, base, stride, loc, hd, acc);                                                    \
+    group_values_body<width>(p, g, n, base, stride, loc, hd, acc);                                             \
   }                                                                                                            \
   attributes void softmax_rows_##isa_name(float* s, const float* bias, int64_t g, int64_t n, float scale) {    \
-    softmax_rows_body(s, bias, g, n, scale);                                                                   \
+    softmax_rows_body<width>(s, bias, g, n, scale);                                                            \
   }                                                                                                            \
   attributes void silu_mul_##isa_name(const float* gu, int64_t rows, int64_t I, float* act) {                  \
-    silu_mul_body(gu, rows, I, act);                                                                           \
+    silu_mul_body<width>(gu, rows, I, act);                                                                    \
   }
 #define INKLING_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma"), optimize("fp-contract=fast")))
-INKLING_VECTOR_FOR(avx512, INKLING_AVX512)
-INKLING_VECTOR_FOR(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))))
-INKLING_VECTOR_FOR(portable, )
+INKLING_VECTOR_FOR(avx512, INKLING_AVX512, 16)
+INKLING_VECTOR_FOR(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))), 8)
+INKLING_VECTOR_FOR(portable, , 4)
 
 // The prefill tiles: AVX-512 only (see fp32_tiles_built).
 INKLING_AVX512 void tile_scores_avx512(const float* qt, int64_t hd, const float* k, int64_t ks, int64_t n,
