@@ -127,8 +127,10 @@ class CompiledStep:
                  buckets: tuple[int, ...], compile_backend="inductor", mode: str | None = None,
                  cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None,
                  graph_per_bucket: bool = False, specialize_batch_one: bool = False,
-                 guarded_sources: tuple[str, ...] | None = None, package_key: tuple | None = None):
+                 guarded_sources: tuple[str, ...] | None = None, package_key: tuple | None = None,
+                 kind: str = "decode"):
         self.step, self.prepare_padding = step, prepare_padding
+        self.kind = kind  # what the step is called in progress lines and errors
         self.buckets = buckets
         # The batch sizes the symbolic graph serves: all of them, or all but 1 when bucket 1 gets its
         # own static graph; None when every bucket is its own static graph.
@@ -223,7 +225,7 @@ class CompiledStep:
         todo = sorted({b for b in (self.buckets if buckets is None else buckets) if b not in self.graph_of})
         for i, b in enumerate(todo):
             if progress:
-                verb = "warming the saved decode step" if self.loaded else "compiling the decode step"
+                verb = f"warming the saved {self.kind} step" if self.loaded else f"compiling the {self.kind} step"
                 progress(f"{verb}: bucket {b}", i, len(todo))
             self.prepare_padding(b)
             self._first_call(b)
@@ -317,7 +319,7 @@ class CompiledStep:
         except RuntimeError as e:
             if "fail_on_recompile" not in str(e) and not package.is_guard_failure(e):
                 raise
-            raise CompileError(f"decode step for bucket {bucket} would recompile after warm-up: {e}") from None
+            raise CompileError(f"{self.kind} step for bucket {bucket} would recompile after warm-up: {e}") from None
 
     def run(self, bucket: int) -> tuple[torch.Tensor, ...]:
         """Replays the graph of `bucket`, for which the buffers were prepared; a bucket not compiled yet

@@ -245,12 +245,16 @@ class StepBuffers:
             setattr(md, name, view)
         return md
 
-    def mark_for_tracing(self, batch: range | None) -> None:
-        """From now on decode slices are marked for `batch` (see `symbolic_batch`): the slices kept so far
-        are dropped, and the step last prepared is published again on new, marked ones."""
-        self.symbolic_batch = batch
-        self._decode_views.clear()
-        if self.last_step is not None and self.last_step[0] == "decode":
+    def mark_for_tracing(self, batch: range | None, kind: str = "decode") -> None:
+        """From now on the slices of `kind` steps ("decode" or "verify") are marked for `batch` (see
+        `symbolic_batch`): the slices kept so far are dropped, and the step last prepared, if of that
+        kind, is published again on new, marked ones."""
+        if kind == "decode":
+            self.symbolic_batch = batch
+        else:
+            self.verify_symbolic_batch = batch
+        {"decode": self._decode_views, "verify": self._verify_views}[kind].clear()
+        if self.last_step is not None and self.last_step[0] == kind:
             self._publish(*self.last_step)
 
     def _fill_sampling(self, sampling: list[RowSampling], rows: int) -> None:

@@ -15,6 +15,7 @@ from inkling_compiled.errors import CompileError
 from inkling_compiled.graphs import package
 from inkling_compiled.graphs.capture import INSTANCE_SOURCE
 from inkling_compiled.sampling import SamplingParams
+from inkling_compiled.spec import Drafter
 
 from conftest import random_prompt
 
@@ -200,3 +201,29 @@ def test_the_isa_probe_runs_once_per_machine(tmp_path, monkeypatch):
         cpp.vec_isa_ok = False  # a user's choice
         vec_isa.settle(tmp_path)
         assert cpp.vec_isa_ok is False
+
+
+def test_a_speculative_engine_saves_its_verify_step_beside_the_decode_step(checkpoint):
+    """The verify step is saved whole too, its key the decode step's plus K and whether a drafter needs
+    hidden states: a later engine with other pool sizes loads both and traces nothing while it
+    verifies, with plain decoding's tokens and logprobs; another K has a file of its own."""
+    class Threes(Drafter):  # always a guess: every decode step verifies
+        def propose(self, reqs):
+            return [[3] * self.num_tokens for _ in reqs]
+
+    spec = dict(speculative=Threes(), num_speculative_tokens=2)
+    first = engine(checkpoint, max_batch_size=4, **spec)
+    decoder, verifier = first.worker.decoder, first.worker.verifier
+    assert verifier.packaged and verifier.package_path.is_file() and verifier.package_path != decoder.package_path
+    assert verifier.graphs() == [(1, 2, 4)]
+    frames = traced_frames()
+    later = engine(checkpoint, max_batch_size=4, num_pages=70, **spec)
+    assert later.worker.verifier.loaded and later.worker.verifier.package_path == verifier.package_path
+    got = later.generate(PROMPTS, GREEDY)
+    assert traced_frames() == frames and later.stats()["verify_steps"] > 0
+    want = engine(checkpoint, compile=False).generate(PROMPTS, GREEDY)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
+    other = engine(checkpoint, max_batch_size=4, speculative=Threes(), num_speculative_tokens=3, warmup=False)
+    assert other.worker.verifier.package_path != verifier.package_path

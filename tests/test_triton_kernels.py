@@ -178,6 +178,10 @@ def test_extend_attention(dtype, window):
         want = extend_attention_reference(*fp32(args), window, 20)
         got = CUDA["extend_attention"](*args, window, 20)
         assert got.dtype == dtype and close(got, want, dtype), (nkv, group)
+    if window == 0:  # the log scale read through its stride (a slice of a wider tensor)
+        wide = torch.zeros(2 * args[4].shape[0], device=DEVICE)
+        wide[::2] = args[4]
+        assert torch.equal(CUDA["extend_attention"](*args[:4], wide[::2], *args[5:], window, 20), got)
     # Sequence 1 (50 cached keys, 7 queries) keeps its keys; its first query sees back to key 50-window+1.
     (k0, k1), (q0, q1) = args[6][1:3].tolist(), args[5][1:3].tolist()
     seen_from = k0 + (50 - window + 1 if window else 0)

@@ -24,9 +24,10 @@ NEG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "no keys yet": exp(NEG - m) 
 
 @triton.jit
 def _extend_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tau_ptr, qsl_ptr, ksl_ptr, out_ptr,
-                   B, hd, E, window, sq_tok, sq_head, sk_tok, sk_head, st_tok, st_head, so_tok, so_head,
-                   HAS_TAU: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BP: tl.constexpr, HDP: tl.constexpr, BLOCK_N: tl.constexpr):
+                             B, hd, E, window, sq_tok, sq_head, sk_tok, sk_head, st_tok, st_head, so_tok, so_head,
+                             s_tau,
+                             HAS_TAU: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BP: tl.constexpr, HDP: tl.constexpr, BLOCK_N: tl.constexpr):
     p, g = tl.program_id(0), tl.program_id(1)
     # This program's sequence: the first whose cumulative block count passes p.
     seqs = tl.arange(0, BP)
@@ -55,7 +56,7 @@ def _extend_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tau_ptr, qsl_ptr, k
                 mask=live[:, None] & dm[None, :], other=0.0).to(tl.float32)
     scale = tl.full([BLOCK_M * GP], 1.0, tl.float32)
     if HAS_TAU:
-        scale = tl.load(tau_ptr + tok, mask=live, other=1.0).to(tl.float32)
+        scale = tl.load(tau_ptr + tok * s_tau, mask=live, other=1.0).to(tl.float32)
 
     first = n_k - n_q + block * BLOCK_M  # the block's first query
     last = tl.minimum(first + BLOCK_M, n_k) - 1
@@ -99,6 +100,7 @@ def extend_attention(q, k, v, table, tau, query_start_loc, key_start_loc, window
     assert q.stride(2) == 1 and k.stride(2) == 1 and table.stride(2) == 1, "inner dims must be contiguous"
     assert k.stride() == v.stride(), "k and v must share a layout"
     assert table.shape[2] == rel_extent, "the bias table holds one entry per distance of the relative extent"
+    assert query_start_loc.stride(0) == 1 and key_start_loc.stride(0) == 1, "start locations must be contiguous"
     group = nh // nkv
     gp = triton.next_power_of_2(group)
     block_m = max(1, ROWS // gp)
@@ -106,7 +108,7 @@ def extend_attention(q, k, v, table, tau, query_start_loc, key_start_loc, window
     _extend_attention_kernel[grid](
         q, k, v, table, tau if tau is not None else q, query_start_loc, key_start_loc, out,
         B, hd, rel_extent, window, q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0),
-        table.stride(1), out.stride(0), out.stride(1),
+        table.stride(1), out.stride(0), out.stride(1), tau.stride(0) if tau is not None else 0,
         HAS_TAU=tau is not None, GROUP=group, GP=gp, BLOCK_M=block_m, BP=triton.next_power_of_2(B),
         HDP=max(16, triton.next_power_of_2(hd)), BLOCK_N=BLOCK_N)
     return out
