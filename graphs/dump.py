@@ -1,4 +1,4 @@
-"""Graph dumps: everything a compiled decode step is made of, as diffable text.
+"""Graph dumps: everything a compiled step (decode, or verify) is made of, as diffable text.
 
 Per compiled graph (`bucket-<B>/`, B the first bucket it served): the Dynamo graph, the post-grad
 graph (inductor) or the AOT forward graph (aot_eager), the inductor output code, the guards, an op
@@ -170,7 +170,8 @@ class GraphDump:
         torch._logging.set_logs(guards=True)
         # The guards go to the dump's files only: not up to torch's stderr handler.
         propagate, logger.propagate = logger.propagate, False
-        summary = {"model": model, "backend": backend, "device": device, "buckets": {}}
+        summary = {"model": model, "step": getattr(decoder, "kind", "decode"), "backend": backend, "device": device,
+                   "buckets": {}}
         try:
             for bucket in decoder.buckets:
                 first_graph, first_metric = len(recorder.graphs), len(get_compilation_metrics())
@@ -263,7 +264,8 @@ def capture_table(summary: dict) -> str:
 
 
 def summary_markdown(summary: dict) -> str:
-    head = (f"# Decode graphs of {Path(summary['model']).name} ({summary['backend']} backend, {summary['device']})\n\n"
+    step = summary.get("step", "decode").capitalize()
+    head = (f"# {step} graphs of {Path(summary['model']).name} ({summary['backend']} backend, {summary['device']})\n\n"
             "| bucket | graph | new graphs | breaks | recompiles | compile s | sconv calls | pool copies | inkling ops | "
             "aten ops |\n|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []

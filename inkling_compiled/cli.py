@@ -279,8 +279,10 @@ def _dump_graphs(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(engine_threads(args))
     summary = dump_graphs(args.model, args.out, buckets=tuple(args.buckets) if args.buckets else None,
-                          backend=args.backend, device=args.device)
+                          backend=args.backend, device=args.device, draft_tokens=args.speculative_tokens)
     print((Path(args.out) / "summary.md").read_text(), end="")
+    if args.speculative_tokens:
+        print("\n" + (Path(args.out) / "verify" / "summary.md").read_text(), end="")
     print(f"wrote {args.out}/ ({len(summary['buckets'])} buckets)")
     return 0
 
@@ -491,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="compile backend to record")
     dump.add_argument("--device", default="cpu", help="cpu or cuda")
     dump.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's, every core)")
+    dump.add_argument("--speculative-tokens", type=positive_int, default=0, metavar="K",
+                      help="also dump the verify step for K drafts (n-gram drafter), under OUT/verify")
     dump.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two dump folders instead")
     dump.set_defaults(run=_dump_graphs)
 

@@ -1,4 +1,4 @@
-"""`inkling-compiled dump-graphs`: builds an engine whose decoder compiles through a `GraphDump`."""
+"""`inkling-compiled dump-graphs`: builds an engine whose steps compile through a `GraphDump`."""
 
 from __future__ import annotations
 
@@ -11,17 +11,24 @@ from .graphs.dump import GraphDump
 
 
 def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[int, ...] | None = None,
-                backend: str = "inductor", device: str = "cpu", steps: int = 3) -> dict:
-    """Compiles each bucket of a fresh engine with a recording backend and writes the dump; the summary."""
+                backend: str = "inductor", device: str = "cpu", steps: int = 3, draft_tokens: int = 0) -> dict:
+    """Compiles each bucket of a fresh engine with a recording backend and writes the dump; the summary.
+    With `draft_tokens`, the engine also has a verify step for that many drafts (n-gram drafter), dumped
+    the same way under `out_dir/verify` (its summary under the summary's "verify")."""
     dump = GraphDump(backend)
     buckets = tuple(sorted(buckets)) if buckets else None
+    spec = dict(speculative="ngram", num_speculative_tokens=draft_tokens) if draft_tokens else {}
     torch._dynamo.reset()
     try:
         # The Python kernel-launch wrapper, not the C++ one: same graph, same buffers, readable code.
         engine = Engine.from_pretrained(model_dir, device=device, compile=True, compile_backend=dump.recorder,
                                         warmup=False, progress=False, buckets=buckets,
-                                        max_batch_size=max(buckets) if buckets else 32, cpp_wrapper=False)
-        return dump.write(engine.worker.decoder, out_dir, state_tensors=engine.worker.pool.state_tensors(), model=str(model_dir),
-                          device=device, steps=steps)
+                                        max_batch_size=max(buckets) if buckets else 32, cpp_wrapper=False, **spec)
+        worker = engine.worker
+        written = dict(state_tensors=worker.pool.state_tensors(), model=str(model_dir), device=device, steps=steps)
+        summary = dump.write(worker.decoder, out_dir, **written)
+        if draft_tokens:
+            summary["verify"] = dump.write(worker.verifier, Path(out_dir) / "verify", **written)
+        return summary
     finally:
         torch._dynamo.reset()

@@ -52,6 +52,24 @@ def test_dump_summary_has_the_census(dumps, checkpoint):
     assert (root / "a" / "summary.md").read_text().startswith("# Decode graphs")
 
 
+def test_dump_of_the_verify_step(checkpoint, tmp_path, capsys):
+    """`--speculative-tokens 2`: the verify step dumped beside decode, one symbolic graph for both buckets,
+    every conv a verify conv, no breaks or recompiles; the CLI prints both summaries."""
+    assert main(["dump-graphs", "--model", str(checkpoint("tiny")), "--out", str(tmp_path), "--buckets", "1", "2",
+                 "--backend", "eager", "--speculative-tokens", "2"]) == 0
+    summary = json.loads((tmp_path / "verify" / "summary.json").read_text())
+    assert summary["step"] == "verify"
+    records = summary["buckets"]
+    assert (records["1"]["graphs"], records["2"]["graphs"]) == (1, 0)
+    for record in records.values():
+        assert record["graph_breaks"] == 0 and record["recompiles"] == 0 and record["pool_copies"] == 0
+        assert record["ops"]["inkling::sconv_verify"] == 16 and "inkling::sconv_decode" not in record["ops"]
+    assert "inkling::sconv_verify  layer=3  stream=mlp" in (tmp_path / "verify" / "bucket-1" / "census.txt").read_text()
+    printed = capsys.readouterr().out
+    assert "# Decode graphs of" in printed and "# Verify graphs of" in printed
+    assert json.loads((tmp_path / "summary.json").read_text())["buckets"]["1"]["ops"]["inkling::sconv_decode"] == 16
+
+
 def test_dump_diff_against_itself_is_empty_and_names_changes(dumps):
     root, *_ = dumps
     assert diff_dumps(root / "a", root / "b") == []
