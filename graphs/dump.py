@@ -170,7 +170,7 @@ class GraphDump:
         torch._logging.set_logs(guards=True)
         # The guards go to the dump's files only: not up to torch's stderr handler.
         propagate, logger.propagate = logger.propagate, False
-        summary = {"model": model, "step": getattr(decoder, "kind", "decode"), "backend": backend, "device": device,
+        summary = {"model": model, "step": decoder.kind, "backend": backend, "device": device,
                    "buckets": {}}
         try:
             for bucket in decoder.buckets:
@@ -264,8 +264,7 @@ def capture_table(summary: dict) -> str:
 
 
 def summary_markdown(summary: dict) -> str:
-    step = summary.get("step", "decode").capitalize()
-    head = (f"# {step} graphs of {Path(summary['model']).name} ({summary['backend']} backend, {summary['device']})\n\n"
+    head = (f"# {summary['step'].capitalize()} graphs of {Path(summary['model']).name} ({summary['backend']} backend, {summary['device']})\n\n"
             "| bucket | graph | new graphs | breaks | recompiles | compile s | sconv calls | pool copies | inkling ops | "
             "aten ops |\n|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []

@@ -92,16 +92,13 @@ def _mark_batch(view: torch.Tensor, spec: PerRow | PerToken, batch: range, token
     """Gives a step's slice a symbolic leading dimension for the batch sizes in `batch`: rows (+ extra) for
     a per-row field, rows x tokens_per_row for a per-token one (the step checks that relation itself,
     `check_verify_shapes`)."""
+    extra, per_row = (spec.extra, 1) if isinstance(spec, PerRow) else (0, tokens_per_row)
     if batch.start <= 1:
         # One unbacked symbol for every slice of the same length: inductor then knows they are equal,
         # fuses across them and checks it once per call.
-        per_row = isinstance(spec, PerRow) or tokens_per_row == 1
-        _mark_unbacked(view, f"rows+{spec.extra if isinstance(spec, PerRow) else 0}" if per_row
-                       else f"rows*{tokens_per_row}")
-    elif isinstance(spec, PerRow):
-        torch._dynamo.mark_dynamic(view, 0, min=batch.start + spec.extra, max=batch.stop - 1 + spec.extra)
-    elif tokens_per_row == 1:
-        torch._dynamo.mark_dynamic(view, 0, min=batch.start, max=batch.stop - 1)
+        _mark_unbacked(view, f"rows+{extra}" if per_row == 1 else f"rows*{per_row}")
+    elif per_row == 1:
+        torch._dynamo.mark_dynamic(view, 0, min=batch.start + extra, max=batch.stop - 1 + extra)
     else:  # its size is a multiple of the rows', which Dynamo learns from the step: not a free dimension
         torch._dynamo.maybe_mark_dynamic(view, 0)
 
@@ -194,14 +191,12 @@ class StepBuffers:
         self.verify_region = FieldRegion(max_batch_size, max_batch_size * (draft_tokens + 1), self.device, staged) \
             if draft_tokens else None
         self.metadata = StepMetadata(is_decode=True, **self.decode_region.fields)
-        # Set by a compiled decoder (verifier) that serves many batch sizes with one graph: the slices of
-        # a decode (verify) step whose batch size is in this range get a symbolic leading dimension. A
-        # range from 1 marks it unbacked (Dynamo would otherwise specialise a size of one); from 2,
-        # dynamic with bounds.
-        self.symbolic_batch: range | None = None
-        self.verify_symbolic_batch: range | None = None
-        self._decode_views: dict[int, dict[str, torch.Tensor]] = {}  # rows -> the fields of a decode step
-        self._verify_views: dict[int, dict[str, torch.Tensor]] = {}  # rows -> the fields of a verify step
+        # Per step kind ("decode", "verify"), set by its compiled step when one graph serves many batch
+        # sizes: the slices of a batch size in this range get a symbolic leading dimension. A range from 1
+        # marks it unbacked (Dynamo would otherwise specialise a size of one); from 2, dynamic with bounds.
+        self.symbolic_batch: dict[str, range | None] = {"decode": None, "verify": None}
+        # Per step kind, rows -> the fields of a step of that many rows, kept: a graph replays on them.
+        self._kept_views: dict[str, dict[int, dict[str, torch.Tensor]]] = {"decode": {}, "verify": {}}
         self._arange = np.arange(max(self.max_tokens, max_batch_size * (draft_tokens + 1)) + 1, dtype=np.int64)
         self._block_table = block_table_host.numpy()  # the pool's host mirror: shares its memory
         self._h = self.decode_region.host  # the host fields of the step being prepared
@@ -226,14 +221,14 @@ class StepBuffers:
         region = self._region(kind)
         region.publish(tokens)
         self.last_step = (kind, rows, tokens)
-        kept = {"decode": self._decode_views, "verify": self._verify_views}.get(kind)
+        kept = self._kept_views.get(kind)
         views = kept.get(rows) if kept is not None else None
         if views is None:
             views = {name: field[:rows + spec.extra if isinstance(spec, PerRow) else tokens]
                      for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
             if kept is not None:  # kept: a graph replays its bucket on these very tensors
                 kept[rows] = views
-                batch = self.symbolic_batch if kind == "decode" else self.verify_symbolic_batch
+                batch = self.symbolic_batch[kind]
                 for name, view in views.items():
                     mark_static(view)
                     if batch is not None and rows in batch:
@@ -245,15 +240,12 @@ class StepBuffers:
             setattr(md, name, view)
         return md
 
-    def mark_for_tracing(self, batch: range | None, kind: str = "decode") -> None:
+    def mark_for_tracing(self, kind: str, batch: range | None) -> None:
         """From now on the slices of `kind` steps ("decode" or "verify") are marked for `batch` (see
         `symbolic_batch`): the slices kept so far are dropped, and the step last prepared, if of that
         kind, is published again on new, marked ones."""
-        if kind == "decode":
-            self.symbolic_batch = batch
-        else:
-            self.verify_symbolic_batch = batch
-        {"decode": self._decode_views, "verify": self._verify_views}[kind].clear()
+        self.symbolic_batch[kind] = batch
+        self._kept_views[kind].clear()
         if self.last_step is not None and self.last_step[0] == kind:
             self._publish(*self.last_step)
 

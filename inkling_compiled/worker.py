@@ -92,15 +92,16 @@ class Worker:
             # A loaded package traces nothing, and its guards expect the metadata's slices unmarked; if it
             # is dropped for tracing after all, the slices are marked again.
             buffers = self.backend.buffers
-            buffers.symbolic_batch = None if decoder.load_package() else decoder.symbolic_batch
-            decoder.on_unpackage = lambda: buffers.mark_for_tracing(decoder.symbolic_batch)
+            buffers.symbolic_batch["decode"] = None if decoder.load_package() else decoder.symbolic_batch
+            decoder.on_unpackage = lambda: buffers.mark_for_tracing("decode", decoder.symbolic_batch)
             if draft_tokens:  # verify: batch-symbolic like decode (for this K), saved whole beside it
                 verifier = steps[StepKind.VERIFY] = CompiledStep(
                     VerifyStep(model, self.backend, with_hidden), self.backend.prepare_verify_padding,
                     graph_per_bucket=graph_per_bucket, specialize_batch_one=specialize_batch_one,
-                    package_key=key and (*key, "verify", draft_tokens, with_hidden), kind="verify", **options)
-                buffers.verify_symbolic_batch = None if verifier.load_package() else verifier.symbolic_batch
-                verifier.on_unpackage = lambda: buffers.mark_for_tracing(verifier.symbolic_batch, "verify")
+                    package_key=None if key is None else (*key, "verify", draft_tokens, with_hidden), kind="verify",
+                    **options)
+                buffers.symbolic_batch["verify"] = None if verifier.load_package() else verifier.symbolic_batch
+                verifier.on_unpackage = lambda: buffers.mark_for_tracing("verify", verifier.symbolic_batch)
         self.runner = Runner(model, self.backend, steps, with_hidden)
         # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
         self.torch_state = PinnedTorchState()

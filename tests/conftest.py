@@ -15,6 +15,7 @@ torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from inkling_compiled.spec import Drafter  # noqa: E402
 from inkling_compiled.tiny import build_tiny_checkpoint  # noqa: E402
 
 PARITY_CONFIGS = ["tiny", "tiny-k3"]
@@ -62,6 +63,13 @@ def hf_model(checkpoint):
         return models[name]
 
     return get
+
+
+class Threes(Drafter):
+    """Always a guess (K threes): every decode step of an engine drafting with it verifies."""
+
+    def propose(self, reqs):
+        return [[3] * self.num_tokens for _ in reqs]
 
 
 def has_symbolic_batch(gm) -> bool:

@@ -15,9 +15,8 @@ from inkling_compiled.errors import CompileError
 from inkling_compiled.graphs import package
 from inkling_compiled.graphs.capture import INSTANCE_SOURCE
 from inkling_compiled.sampling import SamplingParams
-from inkling_compiled.spec import Drafter
 
-from conftest import random_prompt
+from conftest import Threes, random_prompt
 
 GREEDY = SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True)
 PROMPTS = [random_prompt(n, seed=500 + n) for n in (3, 9, 17)]
@@ -207,10 +206,6 @@ def test_a_speculative_engine_saves_its_verify_step_beside_the_decode_step(check
     """The verify step is saved whole too, its key the decode step's plus K and whether a drafter needs
     hidden states: a later engine with other pool sizes loads both and traces nothing while it
     verifies, with plain decoding's tokens and logprobs; another K has a file of its own."""
-    class Threes(Drafter):  # always a guess: every decode step verifies
-        def propose(self, reqs):
-            return [[3] * self.num_tokens for _ in reqs]
-
     spec = dict(speculative=Threes(), num_speculative_tokens=2)
     first = engine(checkpoint, max_batch_size=4, **spec)
     decoder, verifier = first.worker.decoder, first.worker.verifier

@@ -12,7 +12,7 @@ from inkling_compiled.spec import Drafter, NgramDrafter
 from inkling_compiled.step_plan import StepKind
 from inkling_compiled.streams import MODEL_STREAMS
 
-from conftest import has_symbolic_batch, random_prompt
+from conftest import Threes, has_symbolic_batch, random_prompt
 
 GREEDY = SamplingParams(max_new_tokens=14, logprobs=True, ignore_eos=True)
 
@@ -455,10 +455,6 @@ def test_one_symbolic_verify_graph_no_breaks_and_a_full_census(checkpoint, fresh
 
     torch._dynamo.utils.counters.clear()
     recorder = GraphRecorder("eager")
-    class Threes(Drafter):  # always a guess: every decode step verifies
-        def propose(self, reqs):
-            return [[3] * self.num_tokens for _ in reqs]
-
     engine = engine_for(checkpoint, compile=True, max_batch_size=4, buckets=(2, 4), compile_backend=recorder,
                         speculative=Threes(), num_speculative_tokens=3)
     assert engine.worker.decoder.graphs() == [(2, 4)] and engine.worker.verifier.graphs() == [(2, 4)]

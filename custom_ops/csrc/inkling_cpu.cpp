@@ -701,8 +701,6 @@ template <int W>
 INKLING_INLINE void storev(float* p, vecf<W> v) {
   std::memcpy(p, &v, sizeof v);
 }
-INKLING_INLINE vec16 load16(const float* p) { return loadv<16>(p); }
-INKLING_INLINE void store16(float* p, vec16 v) { storev<16>(p, v); }
 
 // The low half plus the high half of a vector.
 INKLING_INLINE vec8 fold(vec16 v) {
@@ -887,7 +885,6 @@ INKLING_INLINE vecf<W> expv(vecf<W> x) {
   const V out = (e * scale_a) * scale_b;
   return x < lo ? V{} : (x > hi ? V{} + INFINITY : out);
 }
-INKLING_INLINE vec16 exp16(vec16 x) { return expv<16>(x); }
 
 // expv over n floats in place; the tail through a padded copy.
 template <int W>
@@ -1049,7 +1046,7 @@ INKLING_INLINE void tile_dots(const float* qt, int64_t hd, const float* k, int64
                               float* s) {
   vec16 acc[C][2] = {};
   for (int64_t d = 0; d < hd; ++d) {
-    const vec16 q0 = load16(qt + d * kTileLanes), q1 = load16(qt + d * kTileLanes + 16);
+    const vec16 q0 = loadv<16>(qt + d * kTileLanes), q1 = loadv<16>(qt + d * kTileLanes + 16);
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       const float kd = k[(j0 + c) * ks + d];
@@ -1058,8 +1055,8 @@ INKLING_INLINE void tile_dots(const float* qt, int64_t hd, const float* k, int64
     }
   }
   for (int c = 0; c < C; ++c) {
-    store16(s + (j0 + c) * kTileLanes, acc[c][0] * scale);
-    store16(s + (j0 + c) * kTileLanes + 16, acc[c][1] * scale);
+    storev<16>(s + (j0 + c) * kTileLanes, acc[c][0] * scale);
+    storev<16>(s + (j0 + c) * kTileLanes + 16, acc[c][1] * scale);
   }
 }
 
@@ -1075,11 +1072,11 @@ template <int C>
 INKLING_INLINE void tile_values(const float* p, int64_t n, const float* v, int64_t vs, int64_t d0, float* ot) {
   vec16 acc[C][2];
   for (int c = 0; c < C; ++c) {
-    acc[c][0] = load16(ot + (d0 + c) * kTileLanes);
-    acc[c][1] = load16(ot + (d0 + c) * kTileLanes + 16);
+    acc[c][0] = loadv<16>(ot + (d0 + c) * kTileLanes);
+    acc[c][1] = loadv<16>(ot + (d0 + c) * kTileLanes + 16);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const vec16 p0 = load16(p + j * kTileLanes), p1 = load16(p + j * kTileLanes + 16);
+    const vec16 p0 = loadv<16>(p + j * kTileLanes), p1 = loadv<16>(p + j * kTileLanes + 16);
     const float* vj = v + j * vs + d0;
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
@@ -1088,8 +1085,8 @@ INKLING_INLINE void tile_values(const float* p, int64_t n, const float* v, int64
     }
   }
   for (int c = 0; c < C; ++c) {
-    store16(ot + (d0 + c) * kTileLanes, acc[c][0]);
-    store16(ot + (d0 + c) * kTileLanes + 16, acc[c][1]);
+    storev<16>(ot + (d0 + c) * kTileLanes, acc[c][0]);
+    storev<16>(ot + (d0 + c) * kTileLanes + 16, acc[c][1]);
   }
 }
 
@@ -1104,7 +1101,7 @@ INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const float* v
   vec16 mx[2] = {vec16{} - INFINITY, vec16{} - INFINITY};
   for (int64_t j = 0; j < n; ++j)
     for (int h = 0; h < 2; ++h) {
-      const vec16 x = load16(s + j * kTileLanes + 16 * h);
+      const vec16 x = loadv<16>(s + j * kTileLanes + 16 * h);
       mx[h] = x > mx[h] ? x : mx[h];
     }
   std::fill(ot, ot + hd * kTileLanes, 0.0f);
@@ -1114,8 +1111,8 @@ INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const float* v
     float* p = s + j0 * kTileLanes;
     for (int64_t j = 0; j < nb; ++j)
       for (int h = 0; h < 2; ++h) {
-        const vec16 e = exp16(load16(p + j * kTileLanes + 16 * h) - mx[h]);
-        store16(p + j * kTileLanes + 16 * h, e);
+        const vec16 e = expv<16>(loadv<16>(p + j * kTileLanes + 16 * h) - mx[h]);
+        storev<16>(p + j * kTileLanes + 16 * h, e);
         total[h] += e;
       }
     int64_t d = 0;
@@ -1123,7 +1120,7 @@ INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const float* v
     for (; d < hd; ++d) tile_values<1>(p, nb, v + j0 * vs, vs, d, ot);
   }
   for (int64_t d = 0; d < hd; ++d)
-    for (int h = 0; h < 2; ++h) store16(ot + d * kTileLanes + 16 * h, load16(ot + d * kTileLanes + 16 * h) / total[h]);
+    for (int h = 0; h < 2; ++h) storev<16>(ot + d * kTileLanes + 16 * h, loadv<16>(ot + d * kTileLanes + 16 * h) / total[h]);
 }
 
 // Built per instruction set, like the matmul, each on vectors of its register width; `attributes`

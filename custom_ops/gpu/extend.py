@@ -33,12 +33,13 @@ def _extend_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tau_ptr, qsl_ptr, k
     seqs = tl.arange(0, BP)
     q_lo = tl.load(qsl_ptr + seqs, mask=seqs < B, other=0)
     q_hi = tl.load(qsl_ptr + seqs + 1, mask=seqs < B, other=0)
-    ends = tl.cumsum((q_hi - q_lo + BLOCK_M - 1) // BLOCK_M, axis=0)
+    blocks = (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(blocks, axis=0)
     b = tl.sum((ends <= p).to(tl.int32), axis=0)
     if b >= B:
         return
     mine = seqs == b
-    block = p - tl.sum(tl.where(mine, ends - (q_hi - q_lo + BLOCK_M - 1) // BLOCK_M, 0), axis=0)
+    block = p - tl.sum(tl.where(mine, ends - blocks, 0), axis=0)
     q0, n_q = tl.sum(tl.where(mine, q_lo, 0), axis=0), tl.sum(tl.where(mine, q_hi - q_lo, 0), axis=0)
     k0 = tl.load(ksl_ptr + b)
     n_k = tl.load(ksl_ptr + b + 1) - k0
