@@ -77,6 +77,17 @@ class RequestOutput:
         return self._req.top_logprobs[self._start:self._end] if self._req.params.top_logprobs else None
 
     @property
+    def prompt_logprobs(self) -> list[float | None] | None:
+        """With `prompt_logprobs` asked for: each prompt token's logprob given the tokens before it (None for
+        the first, which has none), filled in as the prompt is prefilled."""
+        return self._req.prompt_logprobs if self._req.params.prompt_logprobs is not None else None
+
+    @property
+    def prompt_top_logprobs(self) -> list[list[tuple[int, float]] | None] | None:
+        """With `prompt_logprobs=n` for n > 0: the n most likely (token, logprob) pairs at each prompt token."""
+        return self._req.prompt_top_logprobs if self._req.params.prompt_logprobs else None
+
+    @property
     def text(self) -> str | None:
         """The whole text so far (decoded once, when first read), when the checkpoint has a tokenizer."""
         if self._tokenizer is None:
@@ -86,8 +97,8 @@ class RequestOutput:
         return self._text
 
     def __eq__(self, other) -> bool:
-        fields = ("request_id", "prompt_token_ids", "token_ids", "logprobs", "top_logprobs", "finish_reason", "text",
-                  "error", "cached_tokens", "spec_proposed", "spec_accepted")
+        fields = ("request_id", "prompt_token_ids", "token_ids", "logprobs", "top_logprobs", "prompt_logprobs",
+                  "prompt_top_logprobs", "finish_reason", "text", "error", "cached_tokens", "spec_proposed", "spec_accepted")
         return isinstance(other, RequestOutput) and all(getattr(self, f) == getattr(other, f) for f in fields)
 
     __hash__ = None
@@ -131,6 +142,8 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     drafted: int = 0  # real drafts in its row of the current verify step (the rest are stand-ins)
@@ -141,6 +154,13 @@ class Request:
 
     def __post_init__(self):
         self.seed_key = seed_key(self.seed)
+        if self.params.prompt_logprobs is not None:  # the first prompt token has nothing before it
+            self.prompt_logprobs.append(None)
+            self.prompt_top_logprobs.append(None)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     @property
     def cached_len(self) -> int:
@@ -166,6 +186,12 @@ class Request:
             self.finish_reason = "stop"
         elif len(self.output) >= self.params.max_new_tokens or len(self.prompt) + len(self.output) >= self.budget:
             self.finish_reason = "length"
+
+    def append_prompt_scores(self, chosen: list[float], top_ids: list[list[int]], top_vals: list[list[float]]) -> None:
+        """The logprobs of the prompt tokens a prefill chunk scored (each the token after a chunk position)."""
+        n = self.params.prompt_logprobs
+        self.prompt_logprobs.extend(chosen)
+        self.prompt_top_logprobs.extend(list(zip(i[:n], v[:n])) for i, v in zip(top_ids, top_vals))
 
     def output_since_reported(self, tokenizer) -> RequestOutput:
         """Its output now, carrying the tokens (and text) since the previous one."""

@@ -17,7 +17,10 @@ from .metadata import StepMetadata, check_verify_shapes
 from .model import InklingForCausalLM
 from .nvtx import nvtx_range
 from .sampling import MAX_TOP_LOGPROBS, sample, verify_drafts
-from .step_plan import Sampled, StepKind, StepPlan
+from .step_plan import PromptScores, Sampled, StepKind, StepPlan
+
+# Prompt positions scored per lm_head call: bounds the [positions, vocab] logits a long chunk would make.
+PROMPT_SCORE_POSITIONS = 256
 
 
 class StepOutput(msgspec.Struct):
@@ -26,6 +29,7 @@ class StepOutput(msgspec.Struct):
     top_ids: torch.Tensor  # [B, n] int64, most likely first
     top_logprobs: torch.Tensor  # [B, n] fp32
     hidden: torch.Tensor | None = None  # [T, H] every token's final-normed hidden state, when asked for
+    prompt: PromptScores | None = None  # extend: the prompt tokens' logprobs, when the plan asked for them
 
     def to_host(self, top_n: int, one_copy: bool | None = None
                 ) -> tuple[list[int], list[float], list[list[int]], list[list[float]]]:
@@ -44,7 +48,7 @@ class StepOutput(msgspec.Struct):
         """The host form the scheduler reads: one token per row."""
         tokens, chosen, top_ids, top_vals = self.to_host(top_n)
         return Sampled(tokens=[[t] for t in tokens], logprobs=[[c] for c in chosen], top_ids=[[t] for t in top_ids],
-                       top_logprobs=[[v] for v in top_vals])
+                       top_logprobs=[[v] for v in top_vals], prompt=self.prompt)
 
 
 class VerifyOutput(msgspec.Struct):
@@ -113,6 +117,39 @@ def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bo
     return (*out, hidden.view(B, T_d, -1)) if with_hidden else out
 
 
+def score_prompt(model: InklingForCausalLM, hidden: torch.Tensor, plan: StepPlan) -> PromptScores:
+    """The logprob of each prompt token an extend plan's chunks predict, for the rows that ask: chunk
+    position j scores the prompt token after it (the chunk's token j+1, or for its last position the next
+    chunk's first token). Computed like a sampled token's logprob (lm_head, then log-softmax in fp32); a
+    token past the logits' vocabulary scores -inf. Every rank of a tensor-parallel engine runs the same
+    lm_head calls (they gather across ranks)."""
+    offsets = list(itertools.accumulate([0] + [len(t) for t in plan.tokens]))
+    positions, targets, counts = [], [], []
+    for row, (chunk, top_n, after) in enumerate(zip(plan.tokens, plan.prompt_logprobs, plan.next_tokens)):
+        scored = chunk[1:] + [after] if after >= 0 else chunk[1:]
+        counts.append(len(scored) if top_n >= 0 else 0)
+        if top_n >= 0:
+            positions.extend(range(offsets[row], offsets[row] + len(scored)))
+            targets.extend(scored)
+    top_n = max(plan.prompt_logprobs)
+    chosen, top_ids, top_vals = [], [], []
+    for i in range(0, len(positions), PROMPT_SCORE_POSITIONS):
+        index = torch.tensor(positions[i:i + PROMPT_SCORE_POSITIONS], device=hidden.device)
+        target = torch.tensor(targets[i:i + PROMPT_SCORE_POSITIONS], device=hidden.device)
+        logprobs = torch.log_softmax(model.logits(hidden[index]).float(), dim=-1)
+        vocab = logprobs.shape[-1]
+        picked = logprobs.gather(1, target.clamp(max=vocab - 1)[:, None])[:, 0]
+        chosen.append(torch.where(target < vocab, picked, float("-inf")))
+        top = logprobs.topk(min(top_n, vocab), dim=-1)
+        top_ids.append(top.indices), top_vals.append(top.values)
+    if positions:
+        chosen, top_ids, top_vals = (torch.cat(p).cpu().tolist() for p in (chosen, top_ids, top_vals))
+    rows = list(itertools.accumulate([0] + counts))
+    return PromptScores(logprobs=[chosen[a:b] for a, b in zip(rows, rows[1:])],
+                        top_ids=[top_ids[a:b] for a, b in zip(rows, rows[1:])],
+                        top_logprobs=[top_vals[a:b] for a, b in zip(rows, rows[1:])])
+
+
 _STEPS = itertools.count()
 
 
@@ -171,10 +208,16 @@ class Runner:
         compiled = self.steps.get(plan.kind)
         if compiled is not None:
             self._wait_for_transfers()
+        scoring = plan.kind is StepKind.EXTEND and bool(plan.prompt_logprobs)
         with nvtx_range(self._range_name(plan, compiled is not None)):
-            out = compiled.run(plan.bucket) if compiled is not None else self._eager(plan.kind)
+            out = compiled.run(plan.bucket) if compiled is not None else self._eager(plan.kind, scoring)
         if plan.kind is StepKind.EXTEND:
-            return StepOutput(*out)
+            if not scoring:
+                return StepOutput(*out)
+            with nvtx_range("score prompt tokens"):
+                tokens, chosen, top_ids, top_vals, every = out
+                return StepOutput(tokens, chosen, top_ids, top_vals, every if self.with_hidden else None,
+                                  prompt=score_prompt(self.model, every, plan))
         if plan.kind is StepKind.DECODE:
             return StepOutput(*(t[:plan.rows] for t in out))
         out = VerifyOutput(*(t[:plan.rows] for t in out))
@@ -204,10 +247,12 @@ class Runner:
             else:
                 buffers.prepare_extend(plan.tokens, plan.starts, plan.slots, plan.sampling)
 
-    def _eager(self, kind: StepKind) -> tuple[torch.Tensor, ...]:
+    def _eager(self, kind: StepKind, every_hidden: bool = False) -> tuple[torch.Tensor, ...]:
+        """The step run eagerly; an extend step hands back every token's hidden state when a drafter reads
+        them or `every_hidden` (prompt tokens to score) asks."""
         if kind is StepKind.VERIFY:
             return verify_step(self.model, self.backend, self.with_hidden)
-        return forward_step(self.model, self.backend, self.with_hidden and kind is StepKind.EXTEND)
+        return forward_step(self.model, self.backend, kind is StepKind.EXTEND and (self.with_hidden or every_hidden))
 
     def _wait_for_transfers(self) -> None:
         """Graphs without a per-layer barrier: every layer's transfer completes before a replay starts."""

@@ -35,6 +35,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool = False  # logprob of each chosen token (under the model's distribution, before temperature)
     top_logprobs: int = 0  # also the n most likely (token, logprob) pairs per step
     detokenize: bool = True  # outputs carry `new_text`; False leaves it None (a server that decodes text itself)
+    # The logprob of each prompt token after the first (and the n most likely there, for n > 0), computed as
+    # the prompt is prefilled; None = off. Such a request is prefilled whole, never from the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         problems = []
@@ -51,6 +54,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             problems.append(f"seed must be None or an integer in 0..2**64-1, got {self.seed!r}")
         if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             problems.append(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            problems.append(f"prompt_logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, "
+                            f"got {self.prompt_logprobs!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (tuple, list)) or \
                 not all(is_int(t) and 0 <= t < 2**63 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must be a sequence of non-negative integers, got {self.stop_token_ids!r}")

@@ -121,9 +121,14 @@ class Scheduler:
         starts = list(itertools.accumulate([0] + [n for _, n in chunks]))
         checkpoints = [Checkpoint(row, starts[row], req.prefilled, pages * self.cache.page_size, index)
                        for row, ((req, _), points) in enumerate(zip(chunks, planned)) for pages, index in points.items()]
+        scoring = {}
+        if any(r.wants_prompt_logprobs for r in reqs):
+            scoring = dict(prompt_logprobs=[r.params.prompt_logprobs if r.wants_prompt_logprobs else -1 for r in reqs],
+                           next_tokens=[r.prompt[r.prefilled + n] if r.prefilled + n < len(r.prompt) else -1
+                                        for r, n in chunks])
         return self._plan(StepKind.EXTEND, reqs, [r.prompt[r.prefilled:r.prefilled + n] for r, n in chunks],
                           [r.prefilled for r in reqs], sampled=[r.prefilled + n == len(r.prompt) for r, n in chunks],
-                          checkpoints=checkpoints)
+                          checkpoints=checkpoints, **scoring)
 
     def _plan(self, kind: StepKind, reqs: list[Request], tokens: list[list[int]], starts: list[int], *,
               sampled: list[bool] | None = None, **fields) -> StepPlan:
@@ -143,6 +148,10 @@ class Scheduler:
         """Appends each row's tokens (a verify row: its accepted drafts and the target's own token after
         them), finishing a request at a stop token or its length; the tokens each row emitted."""
         if plan.kind is StepKind.EXTEND:
+            if out.prompt is not None:
+                for req, chosen, ids, vals in zip(reqs, out.prompt.logprobs, out.prompt.top_ids, out.prompt.top_logprobs):
+                    if req.wants_prompt_logprobs:
+                        req.append_prompt_scores(chosen, ids, vals)
             for req, takes, tokens, chosen, ids, vals in zip(reqs, plan.sampled, out.tokens, out.logprobs, out.top_ids,
                                                              out.top_logprobs):
                 if takes:

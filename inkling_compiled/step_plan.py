@@ -57,10 +57,24 @@ class StepPlan(msgspec.Struct, kw_only=True):
     checkpoints: list[Checkpoint] = []  # extend: prefix-cache checkpoints taken on the way
     journal: list[PoolEffect] = []  # the pool's writes since the previous plan
     top_logprobs: int = 0  # top logprobs the host needs per sampled token (the most any row asked for)
+    # extend, when any row asks for prompt logprobs: per row, the top logprobs each of its prompt tokens needs
+    # (-1: the row asks for none), and the prompt token after its chunk (-1: the chunk ends the prompt)
+    prompt_logprobs: list[int] = []
+    next_tokens: list[int] = []
 
     @property
     def rows(self) -> int:
         return len(self.slots)
+
+
+class PromptScores(msgspec.Struct, kw_only=True):
+    """Per row of an extend plan, the logprob of each prompt token its chunk predicts (the chunk's tokens
+    after its first, then the next chunk's first) with the most likely tokens there; empty for rows that
+    asked for none."""
+
+    logprobs: list[list[float]]
+    top_ids: list[list[list[int]]]
+    top_logprobs: list[list[list[float]]]
 
 
 class Sampled(msgspec.Struct, kw_only=True):
@@ -72,3 +86,5 @@ class Sampled(msgspec.Struct, kw_only=True):
     top_ids: list[list[list[int]]]
     top_logprobs: list[list[list[float]]]
     accepted: list[int] = []
+    prompt: PromptScores | None = None  # extend: the prompt tokens' logprobs, when the plan asked for them
+

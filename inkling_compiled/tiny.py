@@ -101,8 +101,9 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{
 
 
 def write_checkpoint(out_dir: str | Path, raw_config: dict, tensors: dict[str, torch.Tensor], *,
-                     layout: str = "transformers", shards: int = 1) -> Path:
-    """Writes config.json, the safetensors file(s) and a byte-level tokenizer.json."""
+                     layout: str = "transformers", shards: int = 1, tokenizer=None) -> Path:
+    """Writes config.json, the safetensors file(s) and tokenizer.json: `tokenizer` (a `tokenizers.Tokenizer`
+    whose ids 0, 1, 2 are pad, bos and eos) or, without one, a byte-level tokenizer."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if layout == "original":
@@ -132,7 +133,10 @@ def write_checkpoint(out_dir: str | Path, raw_config: dict, tensors: dict[str, t
             weight_map.update({n: fname for n in part})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    write_byte_tokenizer(out / "tokenizer.json", bos_id=1, eos_id=2, pad_id=0)
+    if tokenizer is None:
+        write_byte_tokenizer(out / "tokenizer.json", bos_id=1, eos_id=2, pad_id=0)
+    else:
+        tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": TINY_CHAT_TEMPLATE, "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
         indent=2) + "\n")

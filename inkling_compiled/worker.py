@@ -165,7 +165,7 @@ class Worker:
         self._send({"op": "step"}, plan)
         with self.torch_state.pinned(), self.backend.context.taking_checkpoints(plan.checkpoints):
             out = self.runner.run(plan)
-        takes = plan.kind is not StepKind.EXTEND or any(plan.sampled)
+        takes = plan.kind is not StepKind.EXTEND or any(plan.sampled) or bool(plan.prompt_logprobs)
         return (out.sampled(plan.top_logprobs) if to_host and takes else None), out.hidden
 
     def apply_journal(self, journal: list[PoolEffect]) -> None:

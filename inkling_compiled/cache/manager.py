@@ -44,7 +44,8 @@ class CacheManager:
         """Gives the request a slot and pages, resuming from the longest cached prefix of its prompt
         (evicting unused cache entries if pages are short); False if it must wait."""
         pool, prefix = self.pool, self.prefix
-        hit = prefix.lookup(req.prompt) if prefix is not None else Hit(None, 0)
+        # A request scoring its prompt is prefilled whole: a cached prefix has no logprobs to give it.
+        hit = prefix.lookup(req.prompt) if prefix is not None and not req.wants_prompt_logprobs else Hit(None, 0)
         if hit.entry is None:
             if not pool.can_admit(req.budget) and not (
                     prefix is not None and prefix.make_room(pages=pool.pages_needed(req.budget))
