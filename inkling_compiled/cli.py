@@ -1,4 +1,4 @@
-"""`inkling-compiled`: demo, generate, bench, roofline, dump-graphs, profile, serve, bench-serve."""
+"""`inkling-compiled`: demo, generate, eval, bench, roofline, dump-graphs, profile, serve, bench-serve."""
 
 from __future__ import annotations
 
@@ -130,6 +130,53 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"[{total} tokens in {seconds:.2f} s, {total / seconds:.1f} tokens/s]", file=sys.stderr)
     if line := _speculation_line(engine):
         print(f"[{line}]", file=sys.stderr)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .engine import Engine
+    from .evaluate import engine_score, transformers_score
+    from .progress import StageLog
+    from .tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer.from_checkpoint(args.model)
+    if tokenizer is None:
+        print(f"error: {args.model} has no tokenizer.json: eval reads text", file=sys.stderr)
+        return 2
+    text = Path(args.text).read_text(encoding="utf-8")
+    tokens = tokenizer.encode(text)
+    if args.max_tokens:
+        tokens = tokens[:args.max_tokens]
+    window = args.window or args.max_model_len - 1
+    stride = args.stride or max(1, window // 2)
+    torch.set_num_threads(engine_threads(args))
+    log = StageLog(enabled=not args.quiet)
+    # Each window is one request that ends at its prefill, so no decode step runs: nothing to compile.
+    engine = Engine.from_pretrained(args.model, warmup=False, progress=not args.quiet, max_model_len=args.max_model_len,
+                                    **_engine_args(args))
+    t0 = time.perf_counter()
+    with engine:
+        ours = engine_score(engine, tokens, window, stride, progress=log)
+    seconds = time.perf_counter() - t0
+    log.close()
+    result = {"model": str(args.model), "text": str(args.text), "window": window, "stride": stride,
+              "engine": ours.summary(), "seconds": seconds}
+    print(f"{args.text}: {ours.tokens:,} tokens scored ({ours.bytes:,} bytes), windows of {window} every {stride}")
+    print(f"engine:       perplexity {ours.perplexity:.4f}, {ours.bits_per_byte:.4f} bits per byte "
+          f"({ours.tokens / seconds:,.0f} tokens/s)")
+    if args.compare:
+        theirs = transformers_score(args.model, tokens, window, stride, tokenizer, progress=log)
+        log.close()
+        rel = abs(ours.perplexity - theirs.perplexity) / theirs.perplexity
+        result["transformers"], result["relative_difference"] = theirs.summary(), rel
+        print(f"transformers: perplexity {theirs.perplexity:.4f}, {theirs.bits_per_byte:.4f} bits per byte "
+              f"(relative difference {rel:.1e})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
@@ -442,6 +489,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_engine_options(gen)
     gen.set_defaults(run=_generate)
+
+    ev = sub.add_parser("eval", help="perplexity and bits per byte of a text file (prompt logprobs over windows)")
+    ev.add_argument("--model", required=True, help="checkpoint folder (with its tokenizer.json)")
+    ev.add_argument("--text", required=True, help="a UTF-8 text file")
+    ev.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + generated tokens per request")
+    ev.add_argument("--window", type=positive_int, default=None,
+                    help="tokens per scored window (default: --max-model-len - 1)")
+    ev.add_argument("--stride", type=positive_int, default=None,
+                    help="tokens between window starts; each scored token has at least window - stride before it "
+                         "(default: half the window)")
+    ev.add_argument("--max-tokens", type=positive_int, default=None, help="score only the text's first N tokens")
+    ev.add_argument("--compare", action="store_true", help="also score it with transformers (needs transformers)")
+    ev.add_argument("--json", default=None, help="also write the results here")
+    ev.add_argument("--quiet", action="store_true", help="no progress lines")
+    _add_engine_options(ev)
+    ev.set_defaults(run=_eval)
 
     bench = sub.add_parser("bench", help="decode tokens/s vs transformers' generate (same weights)")
     bench.add_argument("--configs", nargs="+", default=["tiny", "small"], choices=sorted(TINY_CONFIGS),

@@ -2,6 +2,8 @@
 transformers' own forward over the whole prompt gives it, whatever the chunking, beside other requests, and
 never taken from the prefix cache (a hit has no logprobs, so such a request is prefilled whole)."""
 
+import json
+
 import pytest
 import torch
 
@@ -78,3 +80,51 @@ def test_a_prompt_token_past_the_logits_scores_minus_infinity(checkpoint):
 def test_bad_prompt_logprobs_are_refused_by_name(value):
     with pytest.raises(RequestError, match="prompt_logprobs must be None or an integer in 0..20"):
         SamplingParams(prompt_logprobs=value)
+
+
+def oracle_nll(hf, tokens: list[int], window: int, stride: int) -> float:
+    """Each token i >= 1 scored once, by transformers, after the tokens of the first window that holds it:
+    window k spans [k*stride, k*stride + window), so that is the smallest k with k*stride + window > i."""
+    nll = 0.0
+    for i in range(1, len(tokens)):
+        begin = max(0, -(-(i - window + 1) // stride)) * stride
+        with torch.no_grad():
+            logits = hf(torch.tensor([tokens[begin:i]])).logits[0, -1]
+        nll -= torch.log_softmax(logits.double(), -1)[tokens[i]].item()
+    return nll
+
+
+def test_eval_perplexity_and_bits_per_byte_equal_transformers(checkpoint, hf_model, tmp_path, capsys):
+    import math
+
+    from inkling_compiled.cli import main
+
+    text = "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # five\n" * 2
+    (tmp_path / "t.py").write_text(text)
+    tokens = list(text.encode())  # tiny's tokenizer: one token per byte, 3 + the byte
+    tokens = [3 + b for b in tokens]
+    want = oracle_nll(hf_model("tiny"), tokens, 24, 10)
+    assert main(["eval", "--model", str(checkpoint("tiny")), "--text", str(tmp_path / "t.py"), "--window", "24",
+                 "--stride", "10", "--compare", "--quiet", "--json", str(tmp_path / "r.json"), "--no-compile"]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    ours = result["engine"]
+    assert ours["tokens"] == ours["bytes"] == len(tokens) - 1
+    assert math.isclose(ours["nll"], want, rel_tol=1e-5)
+    assert math.isclose(ours["perplexity"], math.exp(want / (len(tokens) - 1)), rel_tol=1e-4)
+    assert math.isclose(ours["bits_per_byte"], want / math.log(2) / (len(tokens) - 1), rel_tol=1e-5)
+    assert result["relative_difference"] < 1e-4
+    out = capsys.readouterr().out
+    assert f"perplexity {ours['perplexity']:.4f}" in out and "transformers: perplexity" in out
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--window", "2048"], "window of 2048 tokens is too long: a prompt may have at most max_model_len - 1 = 2047"),
+    (["--window", "8", "--stride", "8"], "stride in 1..window-1, got window 8, stride 8"),
+])
+def test_eval_refuses_windows_it_cannot_score(extra, needle, checkpoint, tmp_path, capsys):
+    from inkling_compiled.cli import main
+
+    (tmp_path / "t.txt").write_text("some text to score")
+    assert main(["eval", "--model", str(checkpoint("tiny")), "--text", str(tmp_path / "t.txt"), "--quiet",
+                 "--no-compile", *extra]) == 2
+    assert needle in capsys.readouterr().err
