@@ -85,6 +85,39 @@ def test_completions_equal_engine_generate(client, oracle, sampling, prompt):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_echo_scores_the_prompt_as_lm_evaluation_harness_reads_it(client, oracle):
+    """echo=true with logprobs: the prompt's tokens and logprobs first (the first token has none), then the
+    generated ones; max_tokens=0 answers only the prompt."""
+    prompt = [3 + b for b in b"def f(x):"]  # tiny: byte b is token 3 + b
+    want = oracle(prompt, max_new_tokens=1, logprobs=True, prompt_logprobs=1)
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                       temperature=0).choices[0]
+    lp = scored.logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-4)
+    assert [v for t in lp.top_logprobs[1:] for v in t.values()] == pytest.approx(
+        [v for top in want.prompt_top_logprobs[1:] for _, v in top], abs=1e-4)
+    assert len(lp.tokens) == len(lp.text_offset) == len(prompt) and lp.text_offset == sorted(lp.text_offset)
+    assert scored.text == "".join(lp.tokens) and scored.finish_reason == "length"
+    # max_tokens=1, as lm-evaluation-harness asks: the continuation's logprobs are [ctxlen:-1]
+    text = "Hello there, short convolution"
+    want = oracle(text, max_new_tokens=1, logprobs=True, prompt_logprobs=1)
+    whole = client.completions.create(model="tiny", prompt=text, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    choice = whole.choices[0]
+    n = len(want.prompt_token_ids)
+    assert choice.text == text + want.text and whole.usage.completion_tokens == 1
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:] + want.logprobs, abs=1e-4)
+    assert choice.logprobs.text_offset[n] == len(text)
+    # streamed: the prompt's chunk first; without logprobs, text only
+    chunks = list(client.completions.create(model="tiny", prompt=text, max_tokens=4, echo=True, stream=True,
+                                            temperature=0))
+    assert chunks[0].choices[0].text == text and chunks[0].choices[0].logprobs is None
+    assert "".join(c.choices[0].text for c in chunks) == text + oracle(text, max_new_tokens=4).text
+    status, _, answer = http(client_server(client), "POST", "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert status == 400 and "echo=True is not supported" in answer["error"]["message"]
+
+
 def test_stop_strings_and_stop_token_ids(client, oracle):
     want = oracle(PROMPTS[1], max_new_tokens=16)
     printable = [i for i in range(2, len(want.text) - 1) if want.text[i:i + 2].isprintable() and
@@ -180,7 +213,8 @@ BAD_BODIES = [
     ({"prompt": "hi", "n": True}, None, "n=True is not supported"),
     ({"prompt": "hi", "stop_token_ids": 0}, None, "stop_token_ids must be a list"),
     ({"prompt": "x" * (64 * 2048 + 1)}, None, "prompt of 131073 characters is too long"),
-    ({"prompt": "hi", "echo": True}, None, "echo=True is not supported"),
+    ({"prompt": "hi", "echo": "yes"}, None, "echo must be true or false"),
+    ({"prompt": "hi", "max_tokens": 0}, None, "max_tokens must be an integer in 1.."),
     ({"prompt": "hi", "stop": {"x": 1}}, None, "stop must be a string or a list"),
     ({"prompt": "hi", "stream": "yes"}, None, "stream must be true or false"),
 ]

@@ -89,6 +89,16 @@ def test_answers_over_the_engine_process_equal_the_engine_in_process(server, ora
     assert metric(server, "generation_tokens_total") >= 80
 
 
+def test_echoed_prompt_logprobs_cross_the_engine_process(server, oracle):
+    text = "score this prompt"
+    want = oracle(text, max_new_tokens=1, logprobs=True, prompt_logprobs=2)
+    choice = client(server).completions.create(model="tiny", prompt=text, max_tokens=0, echo=True, logprobs=2,
+                                               temperature=0).choices[0]
+    assert choice.text == text and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want.prompt_logprobs[1:], abs=1e-4)
+    assert [len(t) for t in choice.logprobs.top_logprobs[1:]] == [2] * (len(want.prompt_token_ids) - 1)
+
+
 def test_bad_requests_and_leaving_clients_over_the_engine_process(server):
     status, _, answer = http(server, "POST", "/v1/completions", {"prompt": [5, 999]})
     assert status == 400 and "token id 999 at position 1 is out of range" in answer["error"]["message"]

@@ -28,6 +28,7 @@ from .body import BodyTimeout, BodyTooLarge, Limits, parse_json, read_body
 from .chat import ChatTemplate, checked_messages
 from .loop import STEP_BUCKETS, Frontend, QueueFull
 from .protocol import (Job, Rules, chat_job, chat_logprobs, check_room, completion_job, completion_logprobs,
+                       joined_logprobs, prompt_echo,
                        envelope, error_body, finish_reason, usage)
 from .text import TextStream
 
@@ -241,7 +242,7 @@ class Answer:
         self.out: RequestOutput | None = None
         self.tokens_sent = 0  # tokens whose logprobs went out in a chunk
         self.done = self.stopped_early = False
-        self.started = False  # a chat stream opens with the assistant's role
+        self.started = False  # a chat stream opens with the assistant's role; an echo stream with the prompt
 
     def update(self, out: RequestOutput) -> list[dict]:
         """Takes the newest output; returns the stream chunks it adds: one for every output that brought
@@ -260,6 +261,11 @@ class Answer:
             chunks.append(envelope(self.job, self.request_id, self.model,
                                    {"delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}, chunk=True))
+        if self.job.echo and not self.started:
+            self.started = True
+            text, logprobs = self._echo()
+            chunks.append(envelope(self.job, self.request_id, self.model,
+                                   {"text": text, "logprobs": logprobs, "finish_reason": None}, chunk=True))
         if delta or out.new_token_ids or self.done:
             choice = {"delta": {"content": delta}} if self.job.chat else {"text": delta}
             choice["logprobs"] = self._logprobs(self.tokens_sent, upto)
@@ -280,6 +286,8 @@ class Answer:
         """The tokens the answer's text is made of: all of them, but for a stop token the request asked for
         (its text is not part of the answer, as with a stop string)."""
         tokens = out.token_ids
+        if not self.job.generates:
+            return []
         if out.finish_reason == "stop" and tokens and tokens[-1] in self.job.params.stop_token_ids:
             return tokens[:-1]
         return tokens
@@ -290,7 +298,13 @@ class Answer:
 
     def completion_tokens(self) -> int:
         """Tokens generated for the answer: all of them, or up to where a stop string cut the text."""
+        if not self.job.generates:
+            return 0
         return self.kept_tokens() if self.text.stopped else len(self.out.token_ids)
+
+    def _echo(self) -> tuple[str, dict | None]:
+        """The prompt's text and (with `logprobs`) its tokens' logprobs, which an echo answer starts with."""
+        return prompt_echo(self.tokenizer, self.out, self.job.top_logprobs is not None)
 
     def _logprobs(self, start: int, end: int, whole: bool = False) -> dict | None:
         """Logprobs of tokens [start, end) when the request asked for them; a chunk without tokens has none,
@@ -305,6 +319,9 @@ class Answer:
         text = self.text.text
         reason = finish_reason(self.out, self.text.stopped)
         logprobs = self._logprobs(0, n, whole=True)
+        if self.job.echo:
+            prompt_text, prompt_logprobs = self._echo()
+            text, logprobs = prompt_text + text, joined_logprobs(prompt_logprobs, logprobs, len(prompt_text))
         choice = {"message": {"role": "assistant", "content": text}} if self.job.chat else {"text": text}
         body = envelope(self.job, self.request_id, self.model,
                         {**choice, "logprobs": logprobs, "finish_reason": reason}, chunk=False)

@@ -76,6 +76,9 @@ class Delta(msgspec.Struct, array_like=True):
     finish_reason: str | None
     error: str | None
     cached_tokens: int
+    # with the request's first tokens, when it asked for prompt logprobs (they are complete by then)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):
@@ -164,7 +167,14 @@ def _serve_commands(conn, core: EngineCore, encode, decode) -> None:
         if outputs:
             conn.send_bytes(encode(Outputs([
                 Delta(o.request_id, o.new_token_ids, o.new_logprobs, o.new_top_logprobs, o.finish_reason,
-                      None if o.error is None else str(o.error), o.cached_tokens) for o in outputs])))
+                      None if o.error is None else str(o.error), o.cached_tokens,
+                      *((o.prompt_logprobs, o.prompt_top_logprobs) if first_delta(o) else ()))
+                for o in outputs])))
+
+
+def first_delta(out: RequestOutput) -> bool:
+    """Whether this output brings the request's first tokens (its prompt logprobs travel with them)."""
+    return bool(out.new_token_ids) and len(out.new_token_ids) == len(out.token_ids)
 
 
 # ---- the server's side --------------------------------------------------------------------------------
@@ -173,12 +183,13 @@ class _Stream:
     """A request's tokens so far, in the server's process: the fields of an engine `Request` that a
     `RequestOutput` reads, so outputs rebuilt here are the engine's own class, cut at their step."""
 
-    __slots__ = ("request_id", "prompt", "params", "output", "logprobs", "top_logprobs", "finish_reason", "error",
-                 "cached_tokens", "spec_proposed", "spec_accepted")
+    __slots__ = ("request_id", "prompt", "params", "output", "logprobs", "top_logprobs", "prompt_logprobs",
+                 "prompt_top_logprobs", "finish_reason", "error", "cached_tokens", "spec_proposed", "spec_accepted")
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams):
         self.request_id, self.prompt, self.params = request_id, prompt, params
         self.output, self.logprobs, self.top_logprobs = [], [], []
+        self.prompt_logprobs = self.prompt_top_logprobs = None
         self.finish_reason = self.error = None
         self.cached_tokens = self.spec_proposed = self.spec_accepted = 0
 
@@ -188,6 +199,8 @@ class _Stream:
         self.output += delta.tokens
         self.logprobs += delta.logprobs or ()
         self.top_logprobs += delta.top_logprobs or ()
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
         self.finish_reason, self.error, self.cached_tokens = delta.finish_reason, delta.error, delta.cached_tokens
         return RequestOutput(self, start, None, None)
 

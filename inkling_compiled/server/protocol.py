@@ -2,8 +2,8 @@
 
 Bodies are checked here, field by field, with the engine's own checks behind them (`SamplingParams`,
 the prompt checks of `add_request`): every problem is a RequestError whose text the server returns with
-a 400. Fields the API has and this engine does not do (several choices, echo, penalties, logit bias,
-suffix) are refused by name rather than ignored; fields that change nothing here (user, metadata) pass.
+a 400. Fields the API has and this engine does not do (several choices, penalties, logit bias, suffix;
+echo in chat) are refused by name rather than ignored; fields that change nothing here (user, metadata) pass.
 Extensions that vLLM also takes: `top_k`, `ignore_eos`, `stop_token_ids`, and token ids inside `stop`.
 """
 
@@ -32,6 +32,8 @@ class Job:
     top_logprobs: int | None  # None: no logprobs in the answer; else how many alternatives per token
     max_tokens_field: str | None = None  # the field that set the length, if the body gave one
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
+    echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, with `logprobs`)
+    generates: bool = True  # False for echo with max_tokens=0: one token is generated, none answered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +63,10 @@ _UNSUPPORTED = {  # field -> the values that are fine (the API's defaults)
 }
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _refuse_unsupported(body: dict, handled: tuple[str, ...] = ()) -> None:
     for name, fine in _UNSUPPORTED.items():  # by type too: true is not 1
+        if name in handled:
+            continue
         if name in body and not any(type(body[name]) is type(v) and body[name] == v for v in fine):
             raise RequestError(f"{name}={body[name]!r} is not supported by this server (only {fine[1]!r})")
     fmt = body.get("response_format")
@@ -149,22 +153,25 @@ def _prompt(body: dict, max_model_len: int, vocab_size: int) -> str | list[int]:
     raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
-def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> tuple[int | None, str | None]:
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, low: int = 1
+                ) -> tuple[int | None, str | None]:
     """(the length the body asks for, or `default`; the field that asked, if one did)."""
     for name in names:
-        value = _number(body, name, None, integer=True, low=1, high=MAX_COUNT)
+        value = _number(body, name, None, integer=True, low=low, high=MAX_COUNT)
         if value is not None:
             return value, name
     return default, None
 
 
-def _sampling(body: dict, max_tokens: int, stop_ids: list[int], top_logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, stop_ids: list[int], top_logprobs: int | None,
+              prompt_logprobs: int | None = None) -> SamplingParams:
     top_k = _number(body, "top_k", 0, integer=True, low=-1, high=MAX_COUNT)
     return SamplingParams(
         max_new_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, low=0),
         top_p=_number(body, "top_p", 1.0), top_k=max(top_k, 0), seed=_number(body, "seed", None, integer=True),
         stop_token_ids=tuple(stop_ids), ignore_eos=_flag(body, "ignore_eos"),
-        logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0, detokenize=False)  # text: TextStream
+        logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0, detokenize=False,  # text: TextStream
+        prompt_logprobs=prompt_logprobs)
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
@@ -180,15 +187,19 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
 def completion_job(body, rules: Rules) -> Job:
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, handled=("echo",))
     prompt = _prompt(body, rules.max_model_len, rules.vocab_size)
     top = _number(body, "logprobs", None, integer=True, low=0, high=MAX_TOP_LOGPROBS)
+    echo = _flag(body, "echo")
     stops, stop_ids = _stops(body, rules)
-    max_tokens, field = _max_tokens(body, ("max_tokens",), rules.default_max_tokens)
+    # echo with max_tokens=0 scores a prompt (lm-evaluation-harness's loglikelihood): the engine still takes
+    # one token, which the answer leaves out
+    max_tokens, field = _max_tokens(body, ("max_tokens",), rules.default_max_tokens, low=0 if echo else 1)
     stream = _flag(body, "stream")
     include_usage, continuous = _stream_options(body, stream)
-    return Job(False, prompt, _sampling(body, max_tokens, stop_ids, top), stops, stream, include_usage, top,
-               field, continuous)
+    params = _sampling(body, max(max_tokens, 1), stop_ids, top, prompt_logprobs=top if echo else None)
+    return Job(False, prompt, params, stops, stream, include_usage, top, field, continuous, echo=echo,
+               generates=max_tokens > 0)
 
 
 def chat_job(body, render, rules: Rules) -> Job:
@@ -242,6 +253,32 @@ def token_text(tokenizer, token: int) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def prompt_echo(tokenizer, out: RequestOutput, with_logprobs: bool) -> tuple[str, dict | None]:
+    """An echoed prompt: its text, and with `logprobs` the legacy logprobs object of its tokens (the first
+    has none, as OpenAI gives it)."""
+    from .text import TextStream
+
+    text = TextStream(tokenizer)
+    text.update(out.prompt_token_ids, final=True)
+    if not with_logprobs:
+        return text.text, None
+    tops = out.prompt_top_logprobs or [None] + [[]] * (len(out.prompt_token_ids) - 1)
+    return text.text, {
+        "tokens": [token_text(tokenizer, t) for t in out.prompt_token_ids],
+        "token_logprobs": list(out.prompt_logprobs),
+        "top_logprobs": [None if top is None else {token_text(tokenizer, t): lp for t, lp in top} for top in tops],
+        "text_offset": list(text.offsets)}
+
+
+def joined_logprobs(first: dict | None, then: dict | None, shift: int) -> dict | None:
+    """Two legacy logprobs objects as one, the second's text offsets moved past the first's text."""
+    if first is None or then is None:
+        return first or then
+    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+            "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
+            "text_offset": first["text_offset"] + [o + shift for o in then["text_offset"]]}
 
 
 def completion_logprobs(tokenizer, out: RequestOutput, offsets: list[int], start: int, end: int) -> dict:
