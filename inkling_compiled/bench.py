@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .engine import Engine
+from .errors import OptionError
 from .sampling import SamplingParams
 from .spec import Drafter
 from .tiny import TINY_CONFIGS, build_tiny_checkpoint
@@ -203,31 +204,84 @@ def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tok
                 row = {"config": name, "batch": batch, "prompt_len": len(prompts[0]),
                        "plain": bench_engine(plain, prompts, new_tokens)}
                 for kind, engine in engines.items():
-                    before = engine.stats()
-                    row[kind] = bench_engine(engine, prompts, new_tokens)
-                    after = engine.stats()
-                    proposed = after["spec_proposed"] - before["spec_proposed"]
-                    row[kind].update(
-                        acceptance=(after["spec_accepted"] - before["spec_accepted"]) / proposed if proposed else None,
-                        tokens_per_step=(after["decode_tokens"] - before["decode_tokens"])
-                        / max(after["row_steps"] - before["row_steps"], 1),
-                        speedup=row[kind]["tok_s"] / row["plain"]["tok_s"])
+                    row[kind] = _spec_row(engine, prompts, new_tokens, row["plain"]["tok_s"])
                 results["runs"].append(row)
                 log(f"{name:>8} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
                     f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x" for kind in drafters))
     return results
 
 
+def _spec_row(engine: Engine, prompts: list[list[int]], new_tokens: int, plain_tok_s: float) -> dict:
+    """One speculative engine's run over `prompts` (`bench_engine`), with what its timed runs accepted: the
+    overall rate, the rate at each draft depth, tokens per request-step, and the speed-up over plain."""
+    before = engine.stats()
+    row = bench_engine(engine, prompts, new_tokens)
+    after = engine.stats()
+    proposed = after["spec_proposed"] - before["spec_proposed"]
+    by_depth = [(a1 - a0) / (p1 - p0) if p1 > p0 else None for a0, a1, p0, p1 in zip(
+        before["depth_accepted"], after["depth_accepted"], before["depth_proposed"], after["depth_proposed"])]
+    row.update(acceptance=(after["spec_accepted"] - before["spec_accepted"]) / proposed if proposed else None,
+               acceptance_by_depth=by_depth,
+               tokens_per_step=(after["decode_tokens"] - before["decode_tokens"])
+               / max(after["row_steps"] - before["row_steps"], 1),
+               speedup=row["tok_s"] / plain_tok_s)
+    return row
+
+
+def held_out_prompts(path: str | Path) -> list[list[int]]:
+    """A checkpoint's sample prompts (held_out.json, as tools/train_tiny.py writes it)."""
+    file = Path(path) / "held_out.json"
+    if not file.is_file():
+        raise OptionError(f"{path} has no held_out.json: the model workload needs a checkpoint made by "
+                          "tools/train_tiny.py (the copy workload runs on the tiny configs)")
+    return json.loads(file.read_text())["prompts"]
+
+
+def run_model_spec_bench(path: str | Path, batches: list[int], new_tokens: int, drafters: list[str], K: int,
+                         log=print) -> dict:
+    """Compiled speculative decoding with each drafter against compiled plain decoding on a checkpoint's own
+    held-out prompts (batch b takes the first b, cycled), greedy: what its drafters accept on real text."""
+    torch.set_num_threads(1)
+    prompts = held_out_prompts(path)
+    results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
+               "workload": f"held-out prompts of {path}", "new_tokens": new_tokens, "num_speculative_tokens": K,
+               "runs": []}
+    common = dict(compile=True, max_batch_size=max(batches), buckets=tuple(sorted(set(batches))), prefix_cache=False,
+                  max_model_len=max(map(len, prompts)) + new_tokens + K + 1, progress=False)
+    plain = Engine.from_pretrained(path, **common)
+    depths = plain.config.num_mtp_layers or 0
+    if "mtp" in drafters and K > depths:
+        log(f"K={K}: mtp left out (the head has {depths} depth(s), one draft token each)")
+    engines = {kind: Engine.from_pretrained(path, speculative=kind, num_speculative_tokens=K, **common)
+               for kind in drafters if kind != "mtp" or K <= depths}
+    for batch in batches:
+        work = [prompts[i % len(prompts)] for i in range(batch)]
+        row = {"config": Path(path).name, "batch": batch, "prompt_len": sum(map(len, work)) / len(work),
+               "plain": bench_engine(plain, work, new_tokens)}
+        for kind, engine in engines.items():
+            row[kind] = _spec_row(engine, work, new_tokens, row["plain"]["tok_s"])
+        results["runs"].append(row)
+        log(f"K={K} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
+            f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x" for kind in engines))
+    for engine in (plain, *engines.values()):
+        engine.close()
+    return results
+
+
 def spec_table(results: dict) -> str:
     kinds = [k for k in results["runs"][0] if k not in ("config", "batch", "prompt_len", "plain")]
-    head = ["config", "batch", "plain tok/s"] + [f"{k} {c}" for k in kinds for c in
-                                                  ("tok/s", "accepted", "tokens/step", "speed-up")]
+    head = ["config", "batch", "K", "plain tok/s"] + [f"{k} {c}" for k in kinds for c in
+                                                       ("tok/s", "accepted by depth", "tokens/step", "speed-up")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def rate(a):
+        return "n/a" if a is None else f"{a:.2f}"
+
     for row in results["runs"]:
-        cells = [row["config"], str(row["batch"]), f"{row['plain']['tok_s']:.1f}"]
+        cells = [row["config"], str(row["batch"]), str(results["num_speculative_tokens"]), f"{row['plain']['tok_s']:.1f}"]
         for k in kinds:
             r = row[k]
-            cells += [f"{r['tok_s']:.1f}", "n/a" if r["acceptance"] is None else f"{r['acceptance']:.2f}",
+            cells += [f"{r['tok_s']:.1f}", " / ".join(rate(a) for a in r["acceptance_by_depth"]),
                       f"{r['tokens_per_step']:.2f}", f"{r['speedup']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -268,12 +268,16 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters since start: decode and verify steps, tokens they yielded, and with speculative decoding
-        the drafts proposed and accepted (acceptance rate) and the mean tokens a request gains per step."""
+        the drafts proposed and accepted (acceptance rate; by depth, the share of d-th drafts accepted with
+        every draft before them) and the mean tokens a request gains per step."""
         with self._lock:
             c = dict(self.scheduler.counters)
+            by_depth = [a / p if p else None for a, p in zip(self.scheduler.depth_accepted, self.scheduler.depth_proposed)]
             cache = self.cache.stats()
         return {"speculative": self.speculative, "num_speculative_tokens": self.num_speculative_tokens, **c,
                 "acceptance_rate": c["spec_accepted"] / c["spec_proposed"] if c["spec_proposed"] else None,
+                "acceptance_by_depth": by_depth, "depth_proposed": list(self.scheduler.depth_proposed),
+                "depth_accepted": list(self.scheduler.depth_accepted),
                 "mean_tokens_per_step": c["decode_tokens"] / c["row_steps"] if c["row_steps"] else None, **cache}
 
     def snapshot(self) -> dict[str, int]:

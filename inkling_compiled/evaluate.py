@@ -36,7 +36,7 @@ class Score(msgspec.Struct, kw_only=True):
 
     @property
     def bits_per_byte(self) -> float:
-        return self.nll / math.log(2) / self.bytes
+        return self.nll / math.log(2) / self.bytes if self.bytes else float("nan")
 
     def summary(self) -> dict:
         return {"tokens": self.tokens, "bytes": self.bytes, "nll": self.nll, "perplexity": self.perplexity,
@@ -58,36 +58,59 @@ def windows(n_tokens: int, window: int, stride: int) -> list[Window]:
         scored_to, begin = end, begin + stride
 
 
-def _score(tokens: list[int], per_window: list[list[float]], wins: list[Window], tokenizer) -> Score:
-    nll, count, nbytes = 0.0, 0, 0
-    for w, logprobs in zip(wins, per_window):
-        scored = logprobs[w.scored_from - w.begin:]  # logprobs[j] is tokens[begin + j]'s
-        nll -= math.fsum(scored)
-        count += len(scored)
-        nbytes += sum(len(tokenizer.token_bytes(t)) for t in tokens[w.scored_from:w.end])
-    return Score(tokens=count, bytes=nbytes, nll=nll)
+class _Tally:
+    """Scores summed window by window, as windows finish (nothing per token is kept)."""
+
+    def __init__(self, tokens: list[int], tokenizer):
+        self.tokens, self.tokenizer = tokens, tokenizer
+        self.nll, self.count, self.bytes = 0.0, 0, 0
+
+    def add(self, w: Window, logprobs: list) -> None:
+        """`logprobs[j]`: the logprob of tokens[w.begin + j] (None for j = 0)."""
+        scored = logprobs[w.scored_from - w.begin:]
+        if len(scored) != w.end - w.scored_from or any(lp is None for lp in scored):
+            raise RequestError(f"window [{w.begin}, {w.end}) came back with {len(scored)} of its "
+                               f"{w.end - w.scored_from} scores")
+        self.nll -= math.fsum(scored)
+        self.count += len(scored)
+        self.bytes += sum(len(self.tokenizer.token_bytes(t)) for t in self.tokens[w.scored_from:w.end])
+
+    def score(self) -> Score:
+        return Score(tokens=self.count, bytes=self.bytes, nll=self.nll)
+
+
+def check_windows(n_tokens: int, window: int, stride: int, max_model_len: int) -> list[Window]:
+    """The windows, or a RequestError naming what cannot be scored (before any model is loaded)."""
+    if window > max_model_len - 1:
+        raise RequestError(f"window of {window} tokens is too long: a prompt may have at most max_model_len - 1 = "
+                           f"{max_model_len - 1} (raise max_model_len)")
+    return windows(n_tokens, window, stride)
 
 
 def engine_score(engine, tokens: list[int], window: int, stride: int, progress=None) -> Score:
-    """The engine's score of `tokens` over windows of `window` tokens every `stride`."""
-    if window > engine.max_model_len - 1:
-        raise RequestError(f"window of {window} tokens is too long: a prompt may have at most "
-                           f"max_model_len - 1 = {engine.max_model_len - 1}")
+    """The engine's score of `tokens` over windows of `window` tokens every `stride`, a few batches' worth of
+    windows queued at a time."""
+    wins = check_windows(len(tokens), window, stride, engine.max_model_len)
     if engine.tokenizer is None:
         raise RequestError("the checkpoint has no tokenizer.json: bits per byte need each token's bytes")
-    wins = windows(len(tokens), window, stride)
     params = SamplingParams(max_new_tokens=1, prompt_logprobs=0, ignore_eos=True, detokenize=False)
-    ids = [engine.add_request(tokens[w.begin:w.end], params) for w in wins]
-    done, t0 = {}, time.perf_counter()
-    while engine.has_unfinished():
+    tally, queued, done, t0 = _Tally(tokens, engine.tokenizer), {}, 0, time.perf_counter()
+    pending = iter(wins)
+    in_flight = 4 * engine.max_batch_size
+    while True:
+        while len(queued) < in_flight and (w := next(pending, None)) is not None:
+            queued[engine.add_request(tokens[w.begin:w.end], params)] = w
+        if not queued:
+            return tally.score()
         finished = [out for out in engine.step() if out.finished]
         for out in finished:
-            if out.error is not None:
-                raise RequestError(f"window {ids.index(out.request_id)} failed: {out.error}")
-            done[out.request_id] = out.prompt_logprobs
+            w = queued.pop(out.request_id)
+            if out.finish_reason not in ("length", "stop"):
+                raise RequestError(f"window [{w.begin}, {w.end}) did not finish ({out.finish_reason}): {out.error}")
+            tally.add(w, out.prompt_logprobs)
+            done += 1
         if progress is not None and finished:
-            progress(f"scored {len(done)}/{len(wins)} windows in {time.perf_counter() - t0:.1f} s")
-    return _score(tokens, [done[i] for i in ids], wins, engine.tokenizer)
+            progress(f"scored {done}/{len(wins)} windows in {time.perf_counter() - t0:.1f} s")
 
 
 def transformers_score(folder, tokens: list[int], window: int, stride: int, tokenizer, progress=None) -> Score:
@@ -96,13 +119,12 @@ def transformers_score(folder, tokens: list[int], window: int, stride: int, toke
     from transformers import InklingForCausalLM
 
     model = InklingForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    wins, per_window = windows(len(tokens), window, stride), []
+    wins, tally = windows(len(tokens), window, stride), _Tally(tokens, tokenizer)
     with torch.no_grad():
         for i, w in enumerate(wins):
             ids = torch.tensor([tokens[w.begin:w.end]])
             logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)[:-1]
-            picked = logprobs.gather(1, ids[0, 1:, None])[:, 0].tolist()
-            per_window.append([None] + picked)
+            tally.add(w, [None] + logprobs.gather(1, ids[0, 1:, None])[:, 0].tolist())
             if progress is not None:
                 progress(f"transformers: scored {i + 1}/{len(wins)} windows")
-    return _score(tokens, per_window, wins, tokenizer)
+    return tally.score()

@@ -37,6 +37,8 @@ class Scheduler:
         self.running: list[Request] = []  # prompt in the pool: decoding
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.counters = dict.fromkeys(COUNTERS, 0)
+        # per draft depth (the d-th token of a row's drafts): drafts proposed there, and accepted (with all before it)
+        self.depth_proposed, self.depth_accepted = [0] * draft_tokens, [0] * draft_tokens
 
     # ---- arrivals and departures -----------------------------------------------------------------
 
@@ -170,6 +172,9 @@ class Scheduler:
                 taken = min(out.accepted[i], req.drafted, n)  # drafts accepted and emitted (a stop may come first)
                 req.spec_proposed += req.drafted
                 req.spec_accepted += taken
+                for d in range(req.drafted):
+                    self.depth_proposed[d] += 1
+                    self.depth_accepted[d] += d < taken
                 self.counters["spec_proposed"] += req.drafted
                 self.counters["spec_accepted"] += taken
         c = self.counters

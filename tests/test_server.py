@@ -118,6 +118,45 @@ def test_echo_scores_the_prompt_as_lm_evaluation_harness_reads_it(client, oracle
     assert status == 400 and "echo=True is not supported" in answer["error"]["message"]
 
 
+def test_echo_edges_never_predicted_tokens_streamed_offsets_and_an_unfinished_prompt(server, client, oracle):
+    # a prompt id past the logits (tiny: 264..271) scores -inf, answered as vLLM does (JSON has no infinity)
+    prompt = [3 + b for b in b"ab"] + [268] + [3 + b for b in b"cd"]
+    status, _, answer = http(server, "POST", "/v1/completions",
+                             {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0})
+    assert status == 200, answer
+    assert answer["choices"][0]["logprobs"]["token_logprobs"][2] == -9999.0
+    # max_tokens=0 answers "length" even when the token the engine took is a stop token
+    first = oracle([5, 6, 7], max_new_tokens=1).token_ids[0]
+    status, _, answer = http(server, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 0, "echo": True,
+                                                                 "stop_token_ids": [first]})
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 0
+    # streamed with logprobs: the completion's text offsets follow the echoed prompt, as in the whole answer
+    text = "offsets follow"
+    whole = client.completions.create(model="tiny", prompt=text, max_tokens=5, echo=True, logprobs=1, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=text, max_tokens=5, echo=True, logprobs=1,
+                                            temperature=0, stream=True))
+    streamed = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == whole.choices[0].logprobs.text_offset and streamed[len(text)] == len(text)
+
+
+def test_an_echo_of_a_prompt_never_scored_has_no_logprobs():
+    """A request aborted before its prompt was scored (a shutdown mid-prefill) echoes its tokens with null
+    logprobs, not an error."""
+    from inkling_compiled.requests import Request, RequestOutput
+    from inkling_compiled.server.protocol import prompt_echo
+    from inkling_compiled.tokenizer import TextTokenizer
+    from inkling_compiled.tiny import embedded_checkpoint
+
+    tokenizer = TextTokenizer.from_checkpoint(embedded_checkpoint())
+    req = Request("r", [3 + b for b in b"hello"], SamplingParams(prompt_logprobs=1), seed=0, stop_ids=frozenset(),
+                  budget=16)
+    req.finish_reason = "abort"
+    text, logprobs = prompt_echo(tokenizer, RequestOutput(req, 0, None, tokenizer), True)
+    assert text == "hello" and logprobs["token_logprobs"] == [None] * 5 and logprobs["top_logprobs"] == [None] * 5
+    req.prompt_logprobs, req.prompt_top_logprobs = None, None  # as the engine process's stream holds it
+    assert prompt_echo(tokenizer, RequestOutput(req, 0, None, tokenizer), True)[1]["token_logprobs"] == [None] * 5
+
+
 def test_stop_strings_and_stop_token_ids(client, oracle):
     want = oracle(PROMPTS[1], max_new_tokens=16)
     printable = [i for i in range(2, len(want.text) - 1) if want.text[i:i + 2].isprintable() and

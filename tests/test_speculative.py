@@ -329,6 +329,22 @@ def test_rows_accepting_different_counts_stay_exact(K, checkpoint, plain_outputs
     assert stats["mean_tokens_per_step"] > 1.0
 
 
+def test_acceptance_by_depth_counts_each_draft_position(checkpoint, plain_outputs):
+    """Drafts right at depth 1, wrong at depth 2, right at depth 3: depth 1 is always accepted, depths 2 and
+    3 never (a draft counts only with every draft before it)."""
+    prompts = [random_prompt(6 + i, seed=40 + i) for i in range(3)]
+    params = SamplingParams(max_new_tokens=7, ignore_eos=True)  # a row's last steps draft fewer than K
+    want = plain_outputs("tiny", prompts, params)
+    drafter = ScriptedDrafter({tuple(p): o.token_ids for p, o in zip(prompts, want)}, miss=lambda row, step: 1)
+    engine = engine_for(checkpoint, max_batch_size=4, max_model_len=128, speculative=drafter, num_speculative_tokens=3)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    stats = engine.stats()
+    assert stats["acceptance_by_depth"] == [1.0, 0.0, 0.0]
+    assert stats["acceptance_rate"] == pytest.approx(stats["spec_accepted"] / stats["spec_proposed"])
+    assert stats["spec_accepted"] == engine.scheduler.depth_proposed[0]  # each accepted draft was a depth-1 one
+
+
 def test_stops_and_length_inside_an_accepted_run(checkpoint, plain_outputs):
     """All drafts right: a stop token or max_new_tokens in the middle of an accepted run ends the request
     there, never past it."""

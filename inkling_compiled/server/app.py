@@ -114,6 +114,8 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
                 item = await next_output(sub, watch)
                 if isinstance(item, BaseException):
                     return error(500, str(item), "server_error")
+                if item.finish_reason == "error":
+                    break
                 answer.update(item)
                 if answer.done:
                     break
@@ -243,6 +245,7 @@ class Answer:
         self.tokens_sent = 0  # tokens whose logprobs went out in a chunk
         self.done = self.stopped_early = False
         self.started = False  # a chat stream opens with the assistant's role; an echo stream with the prompt
+        self.echoed_chars = 0  # an echo answer's prompt text, which the completion's text offsets follow
 
     def update(self, out: RequestOutput) -> list[dict]:
         """Takes the newest output; returns the stream chunks it adds: one for every output that brought
@@ -269,7 +272,7 @@ class Answer:
         if delta or out.new_token_ids or self.done:
             choice = {"delta": {"content": delta}} if self.job.chat else {"text": delta}
             choice["logprobs"] = self._logprobs(self.tokens_sent, upto)
-            choice["finish_reason"] = finish_reason(out, self.text.stopped) if self.done else None
+            choice["finish_reason"] = finish_reason(out, self.text.stopped, self.job.generates) if self.done else None
             chunk = envelope(self.job, self.request_id, self.model, choice, chunk=True)
             if self.job.continuous_usage:
                 chunk["usage"] = usage(out, self.completion_tokens() if self.done else len(out.token_ids))
@@ -304,24 +307,28 @@ class Answer:
 
     def _echo(self) -> tuple[str, dict | None]:
         """The prompt's text and (with `logprobs`) its tokens' logprobs, which an echo answer starts with."""
-        return prompt_echo(self.tokenizer, self.out, self.job.top_logprobs is not None)
+        text, logprobs = prompt_echo(self.tokenizer, self.out, self.job.top_logprobs is not None)
+        self.echoed_chars = len(text)
+        return text, logprobs
 
     def _logprobs(self, start: int, end: int, whole: bool = False) -> dict | None:
         """Logprobs of tokens [start, end) when the request asked for them; a chunk without tokens has none,
         a whole answer always has the object (empty when there are no tokens)."""
         if self.job.top_logprobs is None or (end <= start and not whole):
             return None
-        make = chat_logprobs if self.job.chat else completion_logprobs
-        return make(self.tokenizer, self.out, self.text.offsets, start, end)
+        if self.job.chat:
+            return chat_logprobs(self.tokenizer, self.out, self.text.offsets, start, end)
+        logprobs = completion_logprobs(self.tokenizer, self.out, self.text.offsets, start, end)
+        logprobs["text_offset"] = [o + self.echoed_chars for o in logprobs["text_offset"]]
+        return logprobs
 
     def whole(self) -> dict:
         n = self.kept_tokens()
         text = self.text.text
-        reason = finish_reason(self.out, self.text.stopped)
-        logprobs = self._logprobs(0, n, whole=True)
-        if self.job.echo:
-            prompt_text, prompt_logprobs = self._echo()
-            text, logprobs = prompt_text + text, joined_logprobs(prompt_logprobs, logprobs, len(prompt_text))
+        reason = finish_reason(self.out, self.text.stopped, self.job.generates)
+        prompt_text, prompt_logprobs = self._echo() if self.job.echo else ("", None)  # first: offsets follow it
+        text = prompt_text + text
+        logprobs = joined_logprobs(prompt_logprobs, self._logprobs(0, n, whole=True))
         choice = {"message": {"role": "assistant", "content": text}} if self.job.chat else {"text": text}
         body = envelope(self.job, self.request_id, self.model,
                         {**choice, "logprobs": logprobs, "finish_reason": reason}, chunk=False)

@@ -198,8 +198,8 @@ def completion_job(body, rules: Rules) -> Job:
     stream = _flag(body, "stream")
     include_usage, continuous = _stream_options(body, stream)
     params = _sampling(body, max(max_tokens, 1), stop_ids, top, prompt_logprobs=top if echo else None)
-    return Job(False, prompt, params, stops, stream, include_usage, top, field, continuous, echo=echo,
-               generates=max_tokens > 0)
+    return Job(False, prompt, params, stops, stream, include_usage, top, field if max_tokens else None, continuous,
+               echo=echo, generates=max_tokens > 0)
 
 
 def chat_job(body, render, rules: Rules) -> Job:
@@ -255,30 +255,41 @@ def token_text(tokenizer, token: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+# What a logprob of -inf (a prompt token past the logits' vocabulary: the model never predicts it) is
+# answered as: JSON has no infinity, and null already means "no logprob" (the first token). vLLM's value.
+NEVER_PREDICTED = -9999.0
+
+
 def prompt_echo(tokenizer, out: RequestOutput, with_logprobs: bool) -> tuple[str, dict | None]:
     """An echoed prompt: its text, and with `logprobs` the legacy logprobs object of its tokens (the first
-    has none, as OpenAI gives it)."""
+    has none, as OpenAI gives it; so has every token a request stopped before scoring, aborted mid-prefill)."""
     from .text import TextStream
 
     text = TextStream(tokenizer)
     text.update(out.prompt_token_ids, final=True)
     if not with_logprobs:
         return text.text, None
-    tops = out.prompt_top_logprobs or [None] + [[]] * (len(out.prompt_token_ids) - 1)
+    n = len(out.prompt_token_ids)
+    scores = list(out.prompt_logprobs or [])[:n]
+    tops = list(out.prompt_top_logprobs or [None] + [[]] * (len(scores) - 1))[:len(scores)]
+    scores += [None] * (n - len(scores))
+    tops += [None] * (n - len(tops))
+
+    def finite(lp):
+        return None if lp is None else max(lp, NEVER_PREDICTED)
+
     return text.text, {
         "tokens": [token_text(tokenizer, t) for t in out.prompt_token_ids],
-        "token_logprobs": list(out.prompt_logprobs),
+        "token_logprobs": [finite(lp) for lp in scores],
         "top_logprobs": [None if top is None else {token_text(tokenizer, t): lp for t, lp in top} for top in tops],
         "text_offset": list(text.offsets)}
 
 
-def joined_logprobs(first: dict | None, then: dict | None, shift: int) -> dict | None:
-    """Two legacy logprobs objects as one, the second's text offsets moved past the first's text."""
+def joined_logprobs(first: dict | None, then: dict | None) -> dict | None:
+    """Two legacy logprobs objects as one (an echoed prompt's, then its completion's)."""
     if first is None or then is None:
         return first or then
-    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
-            "top_logprobs": first["top_logprobs"] + then["top_logprobs"],
-            "text_offset": first["text_offset"] + [o + shift for o in then["text_offset"]]}
+    return {key: first[key] + then[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def completion_logprobs(tokenizer, out: RequestOutput, offsets: list[int], start: int, end: int) -> dict:
@@ -303,9 +314,11 @@ def chat_logprobs(tokenizer, out: RequestOutput, offsets: list[int], start: int,
                         for t, lp, top in zip(out.token_ids[start:end], out.logprobs[start:end], tops)]}
 
 
-def finish_reason(out: RequestOutput, stopped_by_text: bool) -> str | None:
+def finish_reason(out: RequestOutput, stopped_by_text: bool, generates: bool = True) -> str | None:
     if stopped_by_text:
         return "stop"
+    if not generates and out.finish_reason in ("stop", "length"):
+        return "length"  # max_tokens=0: the one token the engine took is not part of the answer
     return out.finish_reason if out.finish_reason in ("stop", "length", "abort") else None
 
 
