@@ -20,7 +20,8 @@ setup(
     install_requires=["torch>=2.13", "msgspec", "safetensors", "nvtx", "tokenizers", "ninja", "numpy",
                       "triton==3.7.1; platform_system == \"Linux\" and platform_machine == \"x86_64\""],
     # The C++ CPU kernels are compiled on first use (torch.utils.cpp_extension), so their source ships.
-    package_data={"inkling_compiled.custom_ops": ["csrc/*.cpp"]},
+    # The shipped trained checkpoint (tools/train_tiny.py): weights, tokenizer, model card, corpus record.
+    package_data={"inkling_compiled.custom_ops": ["csrc/*.cpp"], "inkling_compiled": ["trained/pystd/*"]},
     extras_require={
         "test": ["pytest", "transformers==5.23.0", "numpy", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.40",
                  "httptools>=0.6", "uvloop>=0.19; sys_platform != \"win32\""],

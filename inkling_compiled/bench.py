@@ -201,14 +201,20 @@ def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tok
                 path, speculative=ReplayDrafter(replayed) if kind == "replay" else kind, num_speculative_tokens=K,
                 **common) for kind in drafters}
             for batch, prompts in workloads.items():
-                row = {"config": name, "batch": batch, "prompt_len": len(prompts[0]),
-                       "plain": bench_engine(plain, prompts, new_tokens)}
-                for kind, engine in engines.items():
-                    row[kind] = _spec_row(engine, prompts, new_tokens, row["plain"]["tok_s"])
-                results["runs"].append(row)
-                log(f"{name:>8} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
-                    f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x" for kind in drafters))
+                results["runs"].append(_spec_rows(name, batch, prompts, plain, engines, new_tokens, K, log))
     return results
+
+
+def _spec_rows(name: str, batch: int, prompts: list[list[int]], plain: Engine, engines: dict[str, Engine],
+               new_tokens: int, K: int, log) -> dict:
+    """One batch's row: the plain engine's run, then each speculative engine's (`_spec_row`) against it."""
+    row = {"config": name, "batch": batch, "prompt_len": sum(map(len, prompts)) / len(prompts),
+           "plain": bench_engine(plain, prompts, new_tokens)}
+    for kind, engine in engines.items():
+        row[kind] = _spec_row(engine, prompts, new_tokens, row["plain"]["tok_s"])
+    log(f"{name:>8} K={K} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
+        f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x" for kind in engines))
+    return row
 
 
 def _spec_row(engine: Engine, prompts: list[list[int]], new_tokens: int, plain_tok_s: float) -> dict:
@@ -256,13 +262,7 @@ def run_model_spec_bench(path: str | Path, batches: list[int], new_tokens: int, 
                for kind in drafters if kind != "mtp" or K <= depths}
     for batch in batches:
         work = [prompts[i % len(prompts)] for i in range(batch)]
-        row = {"config": Path(path).name, "batch": batch, "prompt_len": sum(map(len, work)) / len(work),
-               "plain": bench_engine(plain, work, new_tokens)}
-        for kind, engine in engines.items():
-            row[kind] = _spec_row(engine, work, new_tokens, row["plain"]["tok_s"])
-        results["runs"].append(row)
-        log(f"K={K} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
-            f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x" for kind in engines))
+        results["runs"].append(_spec_rows(Path(path).name, batch, work, plain, engines, new_tokens, K, log))
     for engine in (plain, *engines.values()):
         engine.close()
     return results

@@ -8,8 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-DEMO_PROMPTS = ["The short convolution", "Hello, Inkling!", "a", "Continuous batching keeps every slot busy",
-                "0123456789", "Pages and slots"]
+# Openings of Python code: the shipped checkpoint was trained on the standard library's source. None ends
+# in a newline: its tokenizer spells a newline and the next line's indent as one token.
+DEMO_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self):",
+                "    for i in range(len(items)):", "if __name__ == '__main__':", "    except KeyError:"]
 
 
 def printable(text: str) -> str:
@@ -68,8 +70,9 @@ def _speculation_line(engine) -> str | None:
         return None
     rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
     per_step = "n/a" if s["mean_tokens_per_step"] is None else f"{s['mean_tokens_per_step']:.2f}"
+    depths = ", ".join(f"depth {d + 1} {'n/a' if a is None else f'{a:.2f}'}" for d, a in enumerate(s["acceptance_by_depth"]))
     return (f"speculative {s['speculative']} (K={s['num_speculative_tokens']}): {s['spec_accepted']}/"
-            f"{s['spec_proposed']} drafts accepted ({rate}), {per_step} tokens per request per step")
+            f"{s['spec_proposed']} drafts accepted ({rate}; {depths}), {per_step} tokens per request per step")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -77,23 +80,25 @@ def _demo(args: argparse.Namespace) -> int:
 
     from .engine import Engine
     from .sampling import SamplingParams
-    from .tiny import embedded_checkpoint
+    from .tiny import trained_checkpoint
 
     torch.set_num_threads(engine_threads(args))
-    path = args.model or embedded_checkpoint()
+    path = args.model or trained_checkpoint()
     engine = Engine.from_pretrained(path, **_engine_args(args))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     with engine:
         outs, seconds = _run_engine(engine, DEMO_PROMPTS, params, show_progress=False)
-    print(f"checkpoint: {path} (random weights: the text is noise by design)")
+    about = "the shipped checkpoint, trained on Python's standard library; its README.md is the model card" \
+        if args.model is None else "your checkpoint"
+    print(f"checkpoint: {path} ({about})")
     if engine.worker.decoder is not None:
         warm = ", ".join(f"bucket {b}: {t:.1f} s" for b, t in engine.worker.decoder.compile_seconds.items())
         print(f"compiled decode graphs ({args.compile_backend}): {warm}")
     ranks = f", {args.tensor_parallel_size} tensor-parallel ranks" if args.tensor_parallel_size > 1 else ""
     print(f"{len(DEMO_PROMPTS)} prompts in one continuous batch, compile={args.compile}{ranks}")
     for prompt, out in zip(DEMO_PROMPTS, outs):
-        print(f"  {prompt!r} -> {out.text!r}")
-        print(f"      tokens {out.token_ids}")
+        print(f"--- {prompt!r} ->")
+        print(printable(prompt + out.text))
     total = sum(len(o.token_ids) for o in outs)
     print(f"{total} tokens in {seconds:.2f} s: {total / seconds:.1f} tokens/s (prefill included)")
     if line := _speculation_line(engine):
@@ -139,7 +144,7 @@ def _eval(args: argparse.Namespace) -> int:
     import torch
 
     from .engine import Engine
-    from .evaluate import engine_score, transformers_score
+    from .evaluate import check_windows, engine_score, transformers_score
     from .progress import StageLog
     from .tokenizer import TextTokenizer
 
@@ -153,6 +158,7 @@ def _eval(args: argparse.Namespace) -> int:
         tokens = tokens[:args.max_tokens]
     window = args.window or args.max_model_len - 1
     stride = args.stride or max(1, window // 2)
+    check_windows(len(tokens), window, stride, args.max_model_len)  # before the model loads
     torch.set_num_threads(engine_threads(args))
     log = StageLog(enabled=not args.quiet)
     # Each window is one request that ends at its prefill, so no decode step runs: nothing to compile.
@@ -223,11 +229,19 @@ def _report(results: dict, table: str, path: str | None) -> int:
 
 
 def _bench_speculative(args: argparse.Namespace) -> int:
-    from .bench import run_spec_bench, spec_table
+    from .bench import run_model_spec_bench, run_spec_bench, spec_table
 
-    results = run_spec_bench(args.configs, args.batches, args.copy_overlap, args.new_tokens, args.speculative,
-                             args.num_speculative_tokens)
-    return _report(results, spec_table(results), args.json)
+    if args.model and "replay" in args.speculative:
+        print("error: --speculative replay runs on the copy workload (--configs), not on --model", file=sys.stderr)
+        return 2
+    by_k = {}
+    for K in args.num_speculative_tokens:
+        if args.model:
+            by_k[K] = run_model_spec_bench(args.model, args.batches, args.new_tokens, args.speculative, K)
+        else:
+            by_k[K] = run_spec_bench(args.configs, args.batches, args.copy_overlap, args.new_tokens, args.speculative, K)
+    tables = "\n\n".join(spec_table(r) for r in by_k.values())
+    return _report({"by_num_speculative_tokens": by_k}, tables, args.json)
 
 
 def _bench_parallel(args: argparse.Namespace) -> int:
@@ -471,9 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="inkling-compiled", description="A compiled decode engine for Inkling models")
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="several prompts in one batch on the embedded tiny checkpoint")
-    demo.add_argument("--model", help="checkpoint folder (default: the embedded tiny checkpoint)")
+    demo = sub.add_parser("demo", help="Python prompts completed in one batch by the shipped trained checkpoint")
+    demo.add_argument("--model", help="checkpoint folder (default: the shipped checkpoint, inkling-pystd)")
     _add_engine_options(demo, max_batch_size=8)
+    demo.set_defaults(max_new_tokens=48)
     demo.set_defaults(one_bucket=True)  # one graph, of --max-batch-size: quick to compile the first time
     demo.set_defaults(run=_demo)
 
@@ -526,7 +541,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="instead: compiled speculative decoding with these drafters against compiled plain "
                             "decoding on a copy workload, every layer made sliding (replay: the plain run's own "
                             "tokens as drafts, the ceiling)")
-    bench.add_argument("--num-speculative-tokens", type=positive_int, default=2, help="K for --speculative")
+    bench.add_argument("--num-speculative-tokens", type=positive_int, nargs="+", default=[2],
+                       help="K for --speculative (several: a run for each)")
+    bench.add_argument("--model", default=None,
+                       help="--speculative on this checkpoint's held-out prompts (held_out.json, as "
+                            "tools/train_tiny.py writes it) instead of the copy workload on --configs")
     bench.add_argument("--tensor-parallel-size", nargs="+", type=positive_int, default=None, metavar="N",
                        help="instead: compiled decode at each of these tensor-parallel sizes (one thread per rank), "
                             "with rank 0's step split into collectives, step message and compute")

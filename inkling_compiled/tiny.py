@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes, transformers_to_original
 from .config import InklingConfig
+from .errors import CheckpointError
 from .paths import default_cache_dir
 from .tokenizer import write_byte_tokenizer
 
@@ -151,6 +152,18 @@ def build_tiny_checkpoint(out_dir: str | Path, name: str = "tiny", *, seed: int 
     raw = {**TINY_CONFIGS[name], **(overrides or {})}
     config = InklingConfig.from_dict({"model_type": "inkling_text", **raw})
     return write_checkpoint(out_dir, raw, random_weights(config, seed), layout=layout, shards=shards)
+
+
+TRAINED_CHECKPOINT = Path(__file__).resolve().parent / "trained" / "pystd"
+
+
+def trained_checkpoint() -> Path:
+    """The checkpoint shipped in the package: a small Inkling code model with a two-depth MTP head, trained by
+    tools/train_tiny.py on Python's standard library (its README.md is the model card)."""
+    if not (TRAINED_CHECKPOINT / "config.json").is_file():
+        raise CheckpointError(f"the shipped checkpoint is missing from {TRAINED_CHECKPOINT}: reinstall the package, "
+                              "or make it with tools/train_tiny.py")
+    return TRAINED_CHECKPOINT
 
 
 def embedded_checkpoint(name: str = "tiny") -> Path:

@@ -214,6 +214,14 @@ def test_two_ranks_eager_serve_like_one_uneven_experts(five_experts, oracle):
     with Engine.from_pretrained(five_experts, compile=False, max_batch_size=4, tensor_parallel_size=2,
                                 tensor_parallel_timeout=60, progress=False) as engine:
         assert_matches_oracle(serve_schedule(engine), oracle, "tiny-e5")
+        # prompt logprobs: every rank scores the same positions (lm_head gathers across them)
+        prompt = random_prompt(30, seed=8)
+        scored = engine.generate([prompt], SamplingParams(max_new_tokens=2, prompt_logprobs=1))[0]
+        hf = pytest.importorskip("transformers").InklingForCausalLM.from_pretrained(five_experts, dtype=torch.float32)
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+        want = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(scored.prompt_logprobs[1:]), want, rtol=0, atol=1e-4)
         reports = engine.parallel_report()
         assert [r["rank"] for r in reports] == [0, 1]
         assert [r["shapes"]["model.layers.1.mlp.experts.gate_up_proj"][0] for r in reports] == [3, 2]
