@@ -167,9 +167,9 @@ def trained_checkpoint() -> Path:
 
 
 def embedded_checkpoint(name: str = "tiny") -> Path:
-    """The demo's checkpoint: built on first use under the cache dir, reused afterwards. The folder is
-    named after the config's contents (and the chat template's), so a changed config (an MTP head added,
-    say) builds a new one."""
+    """A random tiny checkpoint for quick use (tests, `--model` of the demo): built on first use under the
+    cache dir, reused afterwards. The folder is named after the config's contents (and the chat template's),
+    so a changed config (an MTP head added, say) builds a new one."""
     digest = hashlib.sha256(json.dumps([TINY_CONFIGS[name], TINY_CHAT_TEMPLATE], sort_keys=True).encode()).hexdigest()[:12]
     path = default_cache_dir() / "checkpoints" / f"{name}-seed0-{digest}"
     if not all((path / f).is_file() for f in ("config.json", "tokenizer.json", "tokenizer_config.json")):

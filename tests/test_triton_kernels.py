@@ -317,7 +317,8 @@ def test_every_kernel_compiles_for_the_h200():
     sm_90 with the installed triton (no GPU needed), as the GPU will."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, str(root / "tools" / "aot_triton.py"), "--arch", "90"], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(root / "tools" / "aot_triton.py"), "--arch", "90", "--jobs", "2"],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " 0 failed" in done.stdout
+    total = done.stdout.strip().splitlines()[-1]
+    assert total.endswith(" 0 failed") and int(total.split()[0]) >= 50, total  # every variant, both shards

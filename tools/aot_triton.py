@@ -1,13 +1,14 @@
 """Compiles every Triton kernel, as the launchers call it, for a GPU this machine need not have.
 
-    python tools/aot_triton.py [--arch 90]        (90: Hopper, the H100/H200; 80: Ampere)
+    python tools/aot_triton.py [--arch 90] [--jobs 2]     (90: Hopper, the H100/H200; 80: Ampere)
 
 The interpreter that runs the kernels in CI executes Python, not Triton's compiler: a kernel can pass
 every interpreted test and still not compile (a non-constexpr global, a dtype tl.dot refuses, a
 construct the code generator rejects). This runs each launcher of `custom_ops/gpu` on small CPU
 tensors with its kernels replaced by a recorder, then compiles each distinct launch (argument types,
 constexprs) ahead of time for the target with the installed triton and its bundled ptxas, in a fresh
-cache. One line per kernel variant; exit status 1 if any fails. Run without TRITON_INTERPRET.
+cache. One line per kernel variant; exit status 1 if any fails. Run without TRITON_INTERPRET. With
+`--jobs N` the variants are dealt round-robin to N processes (Triton's compiler is single-threaded).
 """
 
 from __future__ import annotations
@@ -93,23 +94,59 @@ def sample_launches() -> list:
     return launches
 
 
+def distinct_launches() -> list[tuple]:
+    """Each distinct (kernel, argument types, constexprs) the launchers make, in launch order."""
+    seen, out = set(), []
+    for kernel, types, constexprs in sample_launches():
+        key = (kernel.fn.__name__, tuple(sorted(types.items())), tuple(sorted(constexprs.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append((kernel, types, constexprs))
+    return out
+
+
+def run_shards(jobs: int, arch: int) -> int:
+    """This script once per shard, side by side; their lines, then one total."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, __file__, "--arch", str(arch), "--shard", str(i), "--jobs", str(jobs)],
+                              stdout=subprocess.PIPE, text=True) for i in range(jobs)]
+    import re
+
+    variants = failed = 0
+    for i, proc in enumerate(procs):
+        out, _ = proc.communicate()
+        lines = out.splitlines()
+        total = re.fullmatch(r"(\d+) kernel variants, (\d+) failed", lines[-1]) if lines else None
+        print("\n".join(lines[:-1] if total else lines), flush=True)
+        if total is None:  # the shard died before its total: count it as a failure
+            print(f"FAIL shard {i} exited with status {proc.returncode} before its total", flush=True)
+            failed += 1
+            continue
+        variants, failed = variants + int(total[1]), failed + int(total[2])
+    print(f"{variants} kernel variants, {failed} failed")
+    return 1 if failed else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--jobs", type=int, default=1, help="processes compiling side by side")
+    p.add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)  # one process's share
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("run without TRITON_INTERPRET: the interpreter replaces the compiler")
+    if args.jobs > 1 and args.shard is None:
+        return run_shards(args.jobs, args.arch)
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="inkling-aot-")  # compile, never load
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    seen, failed = set(), 0
-    for kernel, types, constexprs in sample_launches():
-        key = (kernel.fn.__name__, tuple(sorted(types.items())), tuple(sorted(constexprs.items())))
-        if key in seen:
-            continue
-        seen.add(key)
+    launches = distinct_launches()
+    mine = launches if args.shard is None else launches[args.shard::args.jobs]
+    failed = 0
+    for kernel, types, constexprs in mine:
         signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
         label = f"{kernel.fn.__name__} {' '.join(f'{k}={v}' for k, v in sorted(constexprs.items()))} " \
                 f"{sorted(set(t for t in types.values() if t.startswith('*')))}"
@@ -121,7 +158,7 @@ def main() -> int:
             failed += 1
             print(f"FAIL sm_{args.arch} {label}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}",
                   flush=True)
-    print(f"{len(seen)} kernel variants, {failed} failed")
+    print(f"{len(mine)} kernel variants, {failed} failed")
     return 1 if failed else 0
 
 
