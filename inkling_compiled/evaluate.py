@@ -4,8 +4,8 @@ transformers for comparison.
 The text's tokens are cut into windows of `window` tokens starting every `stride` tokens; each token but
 the first is scored once, in the first window that holds it past the previous window's end, so every
 scored token has at least `window - stride` tokens before it (all of them in the first window). The
-engine scores a window as one request's prompt (`prompt_logprobs=0`); every window is queued at once and
-continuous batching prefills them together.
+engine scores a window as one request's prompt (`prompt_logprobs=0`); a few batches' worth are queued at a
+time and continuous batching prefills them together.
 """
 
 from __future__ import annotations

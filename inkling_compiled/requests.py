@@ -191,7 +191,8 @@ class Request:
         """The logprobs of the prompt tokens a prefill chunk scored (each the token after a chunk position)."""
         n = self.params.prompt_logprobs
         self.prompt_logprobs.extend(chosen)
-        self.prompt_top_logprobs.extend(list(zip(i[:n], v[:n])) for i, v in zip(top_ids, top_vals))
+        if n:  # with n = 0 no top logprobs are kept (`prompt_top_logprobs` is None then)
+            self.prompt_top_logprobs.extend(list(zip(i[:n], v[:n])) for i, v in zip(top_ids, top_vals))
 
     def output_since_reported(self, tokenizer) -> RequestOutput:
         """Its output now, carrying the tokens (and text) since the previous one."""

@@ -87,4 +87,3 @@ class Sampled(msgspec.Struct, kw_only=True):
     top_logprobs: list[list[list[float]]]
     accepted: list[int] = []
     prompt: PromptScores | None = None  # extend: the prompt tokens' logprobs, when the plan asked for them
-

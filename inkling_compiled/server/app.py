@@ -245,7 +245,8 @@ class Answer:
         self.tokens_sent = 0  # tokens whose logprobs went out in a chunk
         self.done = self.stopped_early = False
         self.started = False  # a chat stream opens with the assistant's role; an echo stream with the prompt
-        self.echoed_chars = 0  # an echo answer's prompt text, which the completion's text offsets follow
+        self.echoed: tuple[str, dict | None] | None = None  # an echo answer's prompt text and logprobs
+        self.echoed_chars = 0  # the length of that text, which the completion's text offsets follow
 
     def update(self, out: RequestOutput) -> list[dict]:
         """Takes the newest output; returns the stream chunks it adds: one for every output that brought
@@ -306,10 +307,12 @@ class Answer:
         return self.kept_tokens() if self.text.stopped else len(self.out.token_ids)
 
     def _echo(self) -> tuple[str, dict | None]:
-        """The prompt's text and (with `logprobs`) its tokens' logprobs, which an echo answer starts with."""
-        text, logprobs = prompt_echo(self.tokenizer, self.out, self.job.top_logprobs is not None)
-        self.echoed_chars = len(text)
-        return text, logprobs
+        """The prompt's text and (with `logprobs`) its tokens' logprobs, which an echo answer starts with:
+        made from the first output (its prompt logprobs are complete by then), once."""
+        if self.echoed is None:
+            self.echoed = prompt_echo(self.tokenizer, self.out, self.job.top_logprobs is not None)
+            self.echoed_chars = len(self.echoed[0])
+        return self.echoed
 
     def _logprobs(self, start: int, end: int, whole: bool = False) -> dict | None:
         """Logprobs of tokens [start, end) when the request asked for them; a chunk without tokens has none,

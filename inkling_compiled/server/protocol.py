@@ -17,6 +17,7 @@ from ..errors import RequestError
 from ..requests import RequestOutput
 from ..sampling import MAX_COUNT, MAX_TOP_LOGPROBS, SamplingParams
 from .body import Limits
+from .text import TextStream
 
 
 @dataclasses.dataclass
@@ -263,8 +264,6 @@ NEVER_PREDICTED = -9999.0
 def prompt_echo(tokenizer, out: RequestOutput, with_logprobs: bool) -> tuple[str, dict | None]:
     """An echoed prompt: its text, and with `logprobs` the legacy logprobs object of its tokens (the first
     has none, as OpenAI gives it; so has every token a request stopped before scoring, aborted mid-prefill)."""
-    from .text import TextStream
-
     text = TextStream(tokenizer)
     text.update(out.prompt_token_ids, final=True)
     if not with_logprobs:
