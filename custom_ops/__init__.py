@@ -10,13 +10,13 @@ from . import attention, barrier, kv, linear, moe, sampling, sconv  # noqa: F401
 from .attention import paged_attention, ring_attention
 from .barrier import wait_layer
 from .kv import kv_write
-from .linear import linear
+from .linear import dequantize, linear, linear_int8
 from .library import KERNELS, native_kernels, register_cpu_kernels
-from .moe import moe_experts
+from .moe import moe_experts, moe_experts_int8
 from .sampling import top_k_top_p
 from .sconv import commit_conv_windows, sconv_decode, sconv_extend, sconv_verify
 
 register_cpu_kernels()
 
 __all__ = ["KERNELS", "sconv_decode", "sconv_extend", "sconv_verify", "commit_conv_windows", "kv_write", "paged_attention", "ring_attention", "moe_experts",
-           "wait_layer", "top_k_top_p", "linear", "native_kernels"]
+           "wait_layer", "top_k_top_p", "linear", "linear_int8", "moe_experts_int8", "dequantize", "native_kernels"]

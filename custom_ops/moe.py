@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .library import define, gpu_kernel
+from .linear import dequantize
 
 
 def moe_experts_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -35,3 +36,19 @@ moe_experts = define(
     "moe_experts(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, Tensor down) -> Tensor",
     fake=lambda x, expert_ids, weights, gate_up, down: torch.empty_like(x), reference=moe_experts_reference,
     cuda=gpu_kernel("moe", "moe_experts"))
+
+
+def moe_experts_int8_reference(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                               gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                               down_scale: torch.Tensor) -> torch.Tensor:
+    """`moe_experts` over int8 banks with one fp32 scale per row ([E, 2I] and [E, H]): each bank
+    dequantized (linear.dequantize), then the fp32 recipe."""
+    return moe_experts_reference(x, expert_ids, weights, dequantize(gate_up, gate_up_scale, x.dtype),
+                                 dequantize(down, down_scale, x.dtype))
+
+
+moe_experts_int8 = define(
+    "moe_experts_int8(Tensor x, Tensor expert_ids, Tensor weights, Tensor gate_up, Tensor gate_up_scale, "
+    "Tensor down, Tensor down_scale) -> Tensor",
+    fake=lambda x, *rest: torch.empty_like(x), reference=moe_experts_int8_reference,
+    cuda=gpu_kernel("moe", "moe_experts_int8"))

@@ -36,22 +36,26 @@ def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 def bench_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
-    def run() -> tuple[float, int, int]:
+    def run() -> tuple[float, int, int, float]:
+        t_first = time.perf_counter()
         for p in prompts:
             engine.add_request(p, params)
-        produced = {o.request_id: len(o.token_ids) for o in engine.step()}  # prefill + first tokens, untimed
+        produced = {o.request_id: len(o.token_ids) for o in engine.step()}  # prefill + first tokens, apart
         while (now := engine.snapshot())["waiting"] or now["prefilling"]:  # a prefill over several steps too
             produced.update((o.request_id, len(o.token_ids)) for o in engine.step())
+        ttft = time.perf_counter() - t_first  # the batch's prefill: every request's first token
         tokens = len(prompts) * new_tokens - sum(produced.values())  # the timed steps' tokens
         steps, t0 = 0, time.perf_counter()
         while engine.has_unfinished():
             engine.step()
             steps += 1
-        return time.perf_counter() - t0, steps, tokens
+        return time.perf_counter() - t0, steps, tokens, ttft
 
     run()
-    seconds, steps, tokens = sorted(run() for _ in range(REPEATS))[REPEATS // 2]
-    return {"tok_s": tokens / seconds, "step_ms": 1e3 * seconds / max(steps, 1)}
+    runs = [run() for _ in range(REPEATS)]
+    seconds, steps, tokens, _ = sorted(runs)[REPEATS // 2]
+    return {"tok_s": tokens / seconds, "step_ms": 1e3 * seconds / max(steps, 1),
+            "ttft_ms": 1e3 * sorted(r[3] for r in runs)[REPEATS // 2]}
 
 
 def bench_transformers(hf_model, prompts: list[list[int]], new_tokens: int) -> dict:
@@ -71,10 +75,22 @@ def bench_transformers(hf_model, prompts: list[list[int]], new_tokens: int) -> d
     return {"tok_s": tokens / decode_s, "step_ms": 1e3 * decode_s / (new_tokens - 1)}
 
 
+def engine_names(engines: list[str], quantizations: list[str] | None) -> list[str]:
+    """The result keys of our engines: 'compiled', 'eager', and with int8 'compiled int8', 'eager int8'."""
+    names = []
+    for kind in engines:
+        if kind == "transformers":
+            names.append(kind)
+            continue
+        names += [kind if q == "none" else f"{kind} {q}" for q in (quantizations or ["none"])]
+    return names
+
+
 def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_tokens: int,
-              engines: list[str], log=print, threads: int = 1) -> dict:
+              engines: list[str], log=print, threads: int = 1, quantizations: list[str] | None = None) -> dict:
     """Every engine (and transformers) at `threads` intra-op threads; each engine's step also as a
-    fraction of the floor (roofline.py) measured in this run at the same count."""
+    fraction of the floor (roofline.py) measured in this run at the same count, the floor of its own
+    weights' bytes (int8 ones with `quantizations`)."""
     from .floor import measure_machine, step_cost
 
     machine = measure_machine(threads)
@@ -87,14 +103,17 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
         for name in configs:
             path = build_tiny_checkpoint(Path(tmp) / name, name)
             ours = {}
-            for kind in engines:
-                if kind == "transformers":
+            for key in engine_names(engines, quantizations):
+                if key == "transformers":
                     continue
-                ours[kind] = Engine.from_pretrained(path, compile=(kind == "compiled"), max_batch_size=max(batches),
-                                                    max_model_len=prompt_len + new_tokens + 1,
-                                                    prefill_chunk_tokens=max(batches) * prompt_len, progress=False)
+                kind, _, quantization = key.partition(" ")
+                ours[key] = Engine.from_pretrained(path, compile=(kind == "compiled"), max_batch_size=max(batches),
+                                                   max_model_len=prompt_len + new_tokens + 1,
+                                                   prefill_chunk_tokens=max(batches) * prompt_len, progress=False,
+                                                   quantization=quantization or "none")
                 if kind == "compiled":
-                    results.setdefault("compile_s", {})[name] = ours[kind].worker.decoder.compile_seconds
+                    results.setdefault("compile_s", {})[key if quantization else name] = \
+                        ours[key].worker.decoder.compile_seconds
             hf = None
             if "transformers" in engines:
                 from transformers import InklingForCausalLM
@@ -111,7 +130,7 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
                 if hf is not None:
                     row["transformers"] = bench_transformers(hf, prompts, new_tokens)
                 results["runs"].append(row)
-                log(format_row(row, engines))
+                log(format_row(row, engine_names(engines, quantizations)))
     return results
 
 
@@ -144,6 +163,29 @@ def markdown_table(results: dict, engines: list[str]) -> str:
     machine = (f"{results['threads']} thread(s); floor at {rates['bandwidth_gb_s']:.1f} GB/s and "
                f"{rates['matmul_gflop_s']:.1f} GFLOP/s, measured in this run\n\n") if rates else ""
     return machine + "\n".join(lines)
+
+
+def quantization_table(results: dict, engines: list[str]) -> str:
+    """int8 against fp32 per engine kind: decode tokens/s, time to first token of the batch, each
+    engine's fraction of its own floor."""
+    kinds = [e for e in engines if e != "transformers"]
+    head = ["config", "batch"]
+    for kind in kinds:
+        head += [f"{kind} tok/s", f"{kind} int8 tok/s", "int8 / fp32", f"{kind} TTFT ms", "int8 TTFT ms",
+                 "int8 / floor"]
+    if "transformers" in engines:
+        head.append("int8 / transformers")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results["runs"]:
+        cells = [row["config"], str(row["batch"])]
+        for kind in kinds:
+            fp32, int8 = row[kind], row[f"{kind} int8"]
+            cells += [f"{fp32['tok_s']:.1f}", f"{int8['tok_s']:.1f}", f"{int8['tok_s'] / fp32['tok_s']:.2f}x",
+                      f"{fp32['ttft_ms']:.0f}", f"{int8['ttft_ms']:.0f}", f"{int8['of_floor']:.2f}"]
+        if "transformers" in engines:
+            cells.append(f"{row[f'{kinds[0]} int8']['tok_s'] / row['transformers']['tok_s']:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 # ---- speculative decoding ----------------------------------------------------------------------------

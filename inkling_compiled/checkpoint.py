@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from .config import InklingConfig
 from .errors import CheckpointError
+from .quantize import SCALE_SUFFIX, is_matmul_weight
 
 log = logging.getLogger("inkling_compiled")
 
@@ -41,9 +42,10 @@ OTHER_TOWERS = {
 }
 
 
-def expected_shapes(config: InklingConfig, mtp_depths: int = 0) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: InklingConfig, mtp_depths: int = 0, int8: bool = False) -> dict[str, tuple[int, ...]]:
     """Every text-tower tensor in transformers names, with the shape the config implies; with mtp_depths,
-    also the first that many depths of the MTP head."""
+    also the first that many depths of the MTP head; with int8, each matmul weight's scale
+    (`quantize.py`)."""
     H, V = config.hidden_size, config.vocab_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (V, H),
@@ -62,6 +64,9 @@ def expected_shapes(config: InklingConfig, mtp_depths: int = 0) -> dict[str, tup
             shapes.update(_layer_shapes(block_config, i, p + "block."))
         if config.chain_hidden_post_norm:
             shapes["model.mtp.chain_norm.weight"] = (H,)
+    if int8:
+        shapes.update({name + SCALE_SUFFIX: shape[:-1] for name, shape in shapes.items()
+                       if is_matmul_weight(name, shape)})
     return shapes
 
 
@@ -265,7 +270,7 @@ def iter_file_tensors(files: list[Path]) -> Iterator[tuple[str, Callable[..., to
 
 
 def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable[[str, torch.Tensor], torch.Tensor],
-                      mtp_depths: int = 0, take=None) -> tuple[dict[str, torch.Tensor], str | None]:
+                      mtp_depths: int = 0, take=None, int8: bool = False) -> tuple[dict[str, torch.Tensor], str | None]:
     """Reads the text tower in transformers names, each tensor passed through `convert(name, t)`, and
     the first `mtp_depths` depths of the MTP head (deeper ones are skipped like other towers).
 
@@ -274,11 +279,12 @@ def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable
     that needs converting (the original layout's fused tensors) is read whole, converted, then cut.
 
     Returns the tensors and a one-line report of skipped tower tensors (None if nothing was
-    skipped). Raises one CheckpointError that lists every missing, unexpected and mis-shaped tensor.
+    skipped). Raises one CheckpointError that lists every missing, unexpected and mis-shaped tensor
+    (with int8, an int8 checkpoint's scales among them).
     """
     path = Path(path)
     files = checkpoint_files(path)
-    expected = expected_shapes(config, mtp_depths)
+    expected = expected_shapes(config, mtp_depths, int8)
     out: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     bad_shape: list[str] = []
@@ -341,7 +347,8 @@ def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable
 
 def _is_unpadded_head(name: str, shape: tuple[int, ...], config: InklingConfig) -> bool:
     # The original layout may store the unembedding unpadded: only the first unpadded rows are used.
-    return name == "lm_head.weight" and shape == (config.logits_vocab_size, config.hidden_size)
+    return (name == "lm_head.weight" and shape == (config.logits_vocab_size, config.hidden_size)
+            or name == "lm_head.weight" + SCALE_SUFFIX and shape == (config.logits_vocab_size,))
 
 
 def _preview(items: list[str], limit: int = 12) -> str:

@@ -54,6 +54,14 @@ def _run_engine(engine, prompts, params, show_progress: bool):
     return [final[r] for r in rids], time.perf_counter() - t0
 
 
+def _quantize(args) -> int:
+    from .quantize import write_quantized
+
+    sizes = write_quantized(args.input, args.output)
+    print(f"wrote {args.output}: tensors {sizes['bytes_before'] / 2**20:.1f} MiB -> {sizes['bytes_after'] / 2**20:.1f} MiB")
+    return 0
+
+
 def _engine_args(args):
     buckets = tuple(args.buckets) if args.buckets else (args.max_batch_size,) if getattr(args, "one_bucket", False) \
         else None
@@ -61,7 +69,7 @@ def _engine_args(args):
                 buckets=buckets, compile_backend=args.compile_backend,
                 prefill_chunk_tokens=args.prefill_chunk_tokens, prefix_cache=args.prefix_cache,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
 
 
 def _speculation_line(engine) -> str | None:
@@ -190,15 +198,19 @@ def _bench(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from .bench import compile_times, markdown_table, plot, run_bench
+    from .bench import compile_times, engine_names, markdown_table, plot, quantization_table, run_bench
 
     if args.speculative:
         return _bench_speculative(args)
     if args.tensor_parallel_size:
         return _bench_parallel(args)
     engines = args.engines
-    results = run_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, engines, threads=args.threads)
-    print(markdown_table(results, engines))
+    results = run_bench(args.configs, args.batches, args.prompt_len, args.new_tokens, engines, threads=args.threads,
+                        quantizations=args.quantization)
+    print(markdown_table(results, engine_names(engines, args.quantization)))
+    if args.quantization and set(args.quantization) == {"none", "int8"}:
+        print()
+        print(quantization_table(results, engines))
     if args.compile_times:
         results["compile_times"] = {c: compile_times(c, max(args.batches), args.compile_times_verify)
                                     for c in args.compile_times}
@@ -213,7 +225,8 @@ def _bench(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.png:
-        print(f"wrote {args.png}" if plot(results, engines, args.png) else "no PNG: matplotlib is not installed")
+        print(f"wrote {args.png}" if plot(results, engine_names(engines, args.quantization), args.png)
+              else "no PNG: matplotlib is not installed")
     return 0
 
 
@@ -451,6 +464,9 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "fp32", "bf16"],
                    help="weights and caches (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--quantization", default=None, choices=["none", "int8"],
+                   help="int8: every projection, expert and the lm_head stored as int8 with one scale per output "
+                        "row (default: as the checkpoint is; an int8 checkpoint loads as int8)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="decode through the compiled decode graph (--no-compile: the eager path)")
     p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager", "aot_eager", "tensorrt"],
@@ -531,6 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["compiled", "eager", "transformers"], help="what to measure")
     bench.add_argument("--threads", type=positive_int, default=1,
                        help="intra-op threads for every engine and transformers alike")
+    bench.add_argument("--quantization", nargs="+", choices=["none", "int8"], default=None,
+                       help="run each engine with these weights (none int8: also a table of int8 against fp32)")
     bench.add_argument("--json", default="bench-decode.json", help="results file")
     bench.add_argument("--png", default="bench-decode.png", help="plot (needs matplotlib: the [bench] extra)")
     bench.add_argument("--compile-times", nargs="*", default=[], metavar="CONFIG",
@@ -617,6 +635,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "(--no-engine-process: on a thread of the server's process)")
     _add_engine_options(srv)
     srv.set_defaults(run=_serve)
+
+    qz = sub.add_parser("quantize", help="write an int8 copy of a checkpoint (one scale per output row)")
+    qz.add_argument("input", help="checkpoint folder (transformers names)")
+    qz.add_argument("output", help="folder for the int8 checkpoint (config, tokenizer and other files copied)")
+    qz.set_defaults(run=_quantize)
 
     bs = sub.add_parser("bench-serve", help="load a local server at several concurrencies, against the Python API")
     bs.add_argument("--config", default="small", choices=sorted(TINY_CONFIGS), help="tiny config to serve")

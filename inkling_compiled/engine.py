@@ -127,10 +127,13 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu", dtype=None, compile: bool = True,
-                        max_batch_size: int = 32, check_finite: bool = True, **kwargs) -> "Engine":
+                        max_batch_size: int = 32, check_finite: bool = True, quantization: str | None = None,
+                        **kwargs) -> "Engine":
         """Loads a checkpoint folder. compile=True (default) runs decode steps through the compiled
         graph (every bucket warmed up here); compile=False is the eager reference path. check_finite
-        refuses a checkpoint with NaN or inf weights."""
+        refuses a checkpoint with NaN or inf weights. quantization='int8' stores every projection,
+        expert and the lm_head as int8 with a scale per output row (`quantize.py`); an int8 checkpoint
+        loads as int8 without it."""
         build_in_background()  # the C++ kernels (first time only) build while the weights load and compile
         # The MTP head is loaded only for MTP drafting, one depth per speculative token.
         mtp_depths = 0
@@ -147,8 +150,9 @@ class Engine:
             if unknown:  # before any rank starts (each would build an engine and fail alike)
                 raise TypeError(f"Engine.from_pretrained() got unexpected keyword argument(s) "
                                 f"{', '.join(map(repr, unknown))}")
-            return launch.start(cls, path, world, timeout, device, dtype, check_finite, options)
-        model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite, mtp_depths=mtp_depths)
+            return launch.start(cls, path, world, timeout, device, dtype, check_finite, options, quantization)
+        model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite, mtp_depths=mtp_depths,
+                              quantization=quantization)
         return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
                    max_batch_size=max_batch_size, **kwargs)
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache.pool import each_layer
+from .quantize import is_weight_scale
 
 STREAM_BYTES = 512 * 2**20  # far past the last-level cache of the machines we measure on
 GEMV_SHAPE = (32768, 2048)  # a 256 MB weight
@@ -74,12 +75,13 @@ def step_cost(model, pool, tokens: int, rows: int, context: int) -> dict:
         nbytes = p.numel() * p.element_size()
         if name.endswith("embed_tokens.weight"):
             weight_bytes += tokens * p.shape[-1] * p.element_size()  # one row per token
-        elif ".experts." in name:  # a routed bank [E, ...]: the experts the tokens reach
+        elif ".experts." in name:  # a routed bank [E, ...] (or its int8 scales): the experts the tokens reach
             weight_bytes += nbytes / experts * reached
-            flops_per_token += 2 * p.numel() / experts * top_k
+            if not is_weight_scale(name):
+                flops_per_token += 2 * p.numel() / experts * top_k
         elif ".mtp." not in name:  # the MTP head is not part of these steps
             weight_bytes += nbytes
-            if p.dim() >= 2:
+            if p.dim() >= 2 and not is_weight_scale(name):
                 flops_per_token += 2 * p.numel()
     per_row_state = sum(2 * t[0].numel() * t.element_size() for t in each_layer(pool.conv.values()))  # r + w
     kv_rows = sum(min(context, pool.ring_size) * t[0].numel() * t.element_size() for t in each_layer(pool.sliding_kv))

@@ -11,6 +11,7 @@ from .config import InklingConfig
 from .errors import CheckpointError, OptionError
 from .model import InklingForCausalLM, keeps_fp32
 from .parallel.group import TensorParallel
+from .quantize import SCALE_SUFFIX, checkpoint_scheme, is_matmul_weight, is_weight_scale, quantize_rows, resolve
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -41,12 +42,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def is_matmul_weight(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether a tensor is a matmul weight `[..., out, in]` (used as x @ W^T) the engine may store transposed."""
-    is_matmul = name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) or name == "lm_head.weight"
-    return (is_matmul or ".shared_experts." in name) and len(shape) >= 2
-
-
 def column_major(name: str, shape: tuple[int, ...], choices=None) -> bool:
     """Whether a matmul weight is stored transposed (W^T contiguous). Only the memory layout changes:
     names, shapes and values stay those of the checkpoint.
@@ -62,8 +57,8 @@ def column_major(name: str, shape: tuple[int, ...], choices=None) -> bool:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-               check_finite: bool = True, mtp_depths: int = 0, tensor_parallel: tuple[int, int, str] | None = None
-               ) -> tuple[InklingForCausalLM, str | None]:
+               check_finite: bool = True, mtp_depths: int = 0, tensor_parallel: tuple[int, int, str] | None = None,
+               quantization: str | None = None) -> tuple[InklingForCausalLM, str | None]:
     """Builds the model on the meta device and assigns each checkpoint tensor as it is read.
 
     With check_finite (the default) every tensor is checked once, as loaded, for NaN and inf: a
@@ -71,10 +66,21 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     grads) and the loader's skipped-tensor report. mtp_depths > 0 also loads that many depths of the
     checkpoint's MTP head (an OptionError if it has fewer). `tensor_parallel` = (rank, world, group name)
     loads that rank's shard only (`parallel.TensorParallel`): no tensor is read past the rank's slices.
+
+    quantization='int8' quantizes every matmul weight as it is read (`quantize.py`; under tensor
+    parallelism each rank its own slices, so a row's scale is over the rank's part of it); an int8
+    checkpoint loads as int8 with quantization None or 'int8', and is refused with 'none'. Either way
+    no more than one tensor is ever held in a wider dtype.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    wanted = resolve(quantization)
     config = InklingConfig.from_file(Path(path))
+    stored = checkpoint_scheme(path) == "int8"
+    if stored and wanted == "none":
+        raise OptionError(f"{Path(path)} is an int8 checkpoint: quantization='none' cannot give back its "
+                          "unquantized weights (load it with quantization None or 'int8')")
+    int8 = stored or wanted == "int8"
     if mtp_depths > (config.num_mtp_layers or 0):
         raise OptionError(f"{mtp_depths} MTP depth(s) asked for, but the checkpoint's config has "
                           f"{config.num_mtp_layers or 0} (num_mtp_layers / mtp_config.num_nextn_predict_layers)")
@@ -82,14 +88,35 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     tp = TensorParallel(config, *tensor_parallel) if tensor_parallel is not None else None
 
     choices = None
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu" and dtype == torch.float32 and not int8:  # int8 weights stay as stored, [O, H]
         from .kernel_choice import for_this_machine
 
         choices = for_this_machine()
 
+    scales: dict[str, torch.Tensor] = {}  # made by quantizing as the load goes
+    bad_int8: list[str] = []
+
+    def convert_int8(name: str, t: torch.Tensor) -> torch.Tensor:
+        if is_weight_scale(name):
+            out = torch.empty(t.shape, dtype=torch.float32, device=device).copy_(t)
+            if not bool(((out > 0) & torch.isfinite(out)).all()):
+                bad_int8.append(f"{name} (scales must be positive and finite)")
+            return out
+        if stored:
+            if t.dtype != torch.int8:
+                bad_int8.append(f"{name} (stored as {str(t.dtype).removeprefix('torch.')}, not int8)")
+            return torch.empty(t.shape, dtype=torch.int8, device=device).copy_(t)
+        q, scale = quantize_rows(t)
+        if not bool(torch.isfinite(scale).all()):
+            non_finite.append(name)
+        scales[name + SCALE_SUFFIX] = scale.to(device)
+        return q.to(device)
+
     def convert(name: str, t: torch.Tensor) -> torch.Tensor:
-        if name == "lm_head.weight" and t.shape[0] != rows:
+        if name.removesuffix(SCALE_SUFFIX) == "lm_head.weight" and t.shape[0] != rows:
             t = t[:rows]
+        if int8 and (is_weight_scale(name) or is_matmul_weight(name, t.shape)):
+            return convert_int8(name, t)
         # Always a fresh, allocator-aligned tensor: safetensors hands out views into the mmap at
         # arbitrary alignment, and SIMD kernels round differently on differently aligned data.
         out_dtype = torch.float32 if keeps_fp32(name) else dtype
@@ -108,7 +135,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 
     try:
         tensors, report = read_text_tensors(path, config, convert_checked, mtp_depths,
-                                            tp.take if tp is not None else None)
+                                            tp.take if tp is not None else None, int8=stored)
     finally:
         if choices is not None:
             choices.release_stream()  # the timing buffer, however the load ended
@@ -116,8 +143,14 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         shown = ", ".join(non_finite[:8]) + (f" and {len(non_finite) - 8} more" if len(non_finite) > 8 else "")
         raise CheckpointError(f"{Path(path)}: non-finite values (NaN or inf) in {shown}; "
                               "load with check_finite=False to accept them")
+    if bad_int8:
+        raise CheckpointError(f"{Path(path)}: bad int8 tensors: {', '.join(bad_int8[:8])}"
+                              + (f" and {len(bad_int8) - 8} more" if len(bad_int8) > 8 else ""))
+    tensors.update(scales)
     with torch.device("meta"):
         model = InklingForCausalLM(config, mtp_depths, tp)
+        if int8:
+            model.add_int8_scales()
+    model.requires_grad_(False)  # before assigning: an int8 tensor cannot be a parameter that wants grads
     model.load_state_dict(tensors, strict=True, assign=True)
-    model.requires_grad_(False)
     return model.eval(), report

@@ -11,6 +11,10 @@ history, its keys and values) is asked of a *forward context* passed down the la
 `contexts.FullSequenceContext` runs sequences from scratch; `contexts.PoolContext` answers the same
 calls from the serving engine's state pool. Parameter names equal transformers' module names, so a
 transformers state dict loads as is (see `checkpoint.py`).
+
+Every projection, expert bank and the lm_head may be int8 (weight-only quantization, `quantize.py`):
+each then has a `<name>_scale` parameter, one fp32 scale per output row, None in an fp32 or bf16 model,
+and goes through the int8 ops.
 """
 
 from __future__ import annotations
@@ -25,10 +29,16 @@ from .config import InklingConfig
 from .contexts import FullSequenceContext
 from .nvtx import nvtx_range
 from .parallel.group import TensorParallel
+from .quantize import SCALE_SUFFIX, is_matmul_weight
 from .streams import ATTN_STREAM, K_STREAM, MLP_STREAM, V_STREAM
 
 # Projections go through the op: a few-row fast path at decode, ATen's GEMM otherwise.
 linear = torch.ops.inkling.linear
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T: W as loaded, or int8 with one scale per output row."""
+    return linear(x, weight) if scale is None else torch.ops.inkling.linear_int8(x, weight, scale)
 
 # Tensors transformers keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`).
 FP32_SUFFIXES = ("sconv.conv1d.weight", "gate.e_score_correction_bias", "gate.global_scale")
@@ -48,6 +58,18 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """A projection without bias (`weight` [out, in]); `weight_scale` is set when the weight is int8."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.register_parameter("weight_scale", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(x, self.weight, self.weight_scale)
 
 
 class _Tensor(nn.Module):
@@ -79,11 +101,11 @@ class Attention(nn.Module):
         g = self.geometry = config.geometry(layer_id)
         H, K = config.hidden_size, config.conv_kernel_size
         self.layer_id = layer_id
-        self.q_proj = nn.Linear(H, g.q_width, bias=False)
-        self.k_proj = nn.Linear(H, g.kv_width, bias=False)
-        self.v_proj = nn.Linear(H, g.kv_width, bias=False)
-        self.r_proj = nn.Linear(H, g.num_heads * config.d_rel, bias=False)
-        self.o_proj = nn.Linear(g.q_width, H, bias=False)
+        self.q_proj = Linear(H, g.q_width)
+        self.k_proj = Linear(H, g.kv_width)
+        self.v_proj = Linear(H, g.kv_width)
+        self.r_proj = Linear(H, g.num_heads * config.d_rel)
+        self.o_proj = Linear(g.q_width, H)
         self.k_sconv = ShortConv(g.kv_width, K, layer_id, K_STREAM)
         self.v_sconv = ShortConv(g.kv_width, K, layer_id, V_STREAM)
         self.q_norm = RMSNorm(g.head_dim, config.rms_norm_eps)
@@ -92,12 +114,12 @@ class Attention(nn.Module):
 
     def forward(self, a: torch.Tensor, ctx) -> torch.Tensor:
         g, T = self.geometry, a.shape[0]
-        q = self.q_norm(linear(a, self.q_proj.weight).view(T, g.num_heads, g.head_dim))
-        k = self.k_norm(self.k_sconv(linear(a, self.k_proj.weight), ctx).view(T, g.num_kv_heads, g.head_dim))
-        v = self.v_sconv(linear(a, self.v_proj.weight), ctx).view(T, g.num_kv_heads, g.head_dim)
-        r = linear(a, self.r_proj.weight).view(T, g.num_heads, -1)
+        q = self.q_norm(self.q_proj(a).view(T, g.num_heads, g.head_dim))
+        k = self.k_norm(self.k_sconv(self.k_proj(a), ctx).view(T, g.num_kv_heads, g.head_dim))
+        v = self.v_sconv(self.v_proj(a), ctx).view(T, g.num_kv_heads, g.head_dim)
+        r = self.r_proj(a).view(T, g.num_heads, -1)
         o = ctx.attention(self.layer_id, g, q, k, v, r, self.rel_logits_proj.proj)
-        return linear(o.reshape(T, g.q_width), self.o_proj.weight)
+        return self.o_proj(o.reshape(T, g.q_width))
 
 
 class DenseMLP(nn.Module):
@@ -108,14 +130,14 @@ class DenseMLP(nn.Module):
         super().__init__()
         start, stop = tp.span(config.intermediate_size)
         H, I = config.hidden_size, stop - start
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
+        self.gate_proj = Linear(H, I)
+        self.up_proj = Linear(H, I)
+        self.down_proj = Linear(I, H)
         self.global_scale = nn.Parameter(torch.empty(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight)
-        return linear(hidden, self.down_proj.weight) * self.global_scale
+        hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(hidden) * self.global_scale
 
 
 class Router(nn.Module):
@@ -153,13 +175,18 @@ class RoutedExperts(nn.Module):
         E, H, I = stop - self.first, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))  # rows [0, I) gate, [I, 2I) up
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.register_parameter("gate_up_proj_scale", None)  # [E, 2I] and [E, H] when the banks are int8
+        self.register_parameter("down_proj_scale", None)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.partial:  # another rank's expert becomes id -1, which the op skips
             local = idx - self.first
             idx = torch.where((local >= 0) & (local < self.gate_up_proj.shape[0]), local, -1)
         # An op, so that a compiled step keeps static shapes and still reads only the chosen experts.
-        return torch.ops.inkling.moe_experts(x, idx, w, self.gate_up_proj, self.down_proj)
+        if self.gate_up_proj_scale is None:
+            return torch.ops.inkling.moe_experts(x, idx, w, self.gate_up_proj, self.down_proj)
+        return torch.ops.inkling.moe_experts_int8(x, idx, w, self.gate_up_proj, self.gate_up_proj_scale,
+                                                  self.down_proj, self.down_proj_scale)
 
 
 class SharedExperts(nn.Module):
@@ -170,18 +197,24 @@ class SharedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(S, I, H))
         self.up_proj = nn.Parameter(torch.empty(S, I, H))
         self.down_proj = nn.Parameter(torch.empty(S, H, I))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            self.register_parameter(f"{name}_scale", None)  # [S, rows] when int8
 
     def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
         # One expert at a time through the projection op: at decode that is the few-row kernel, and
         # unlike bmm it lowers for a batch dimension of unknown size.
         total = None
         for s in range(self.gate_proj.shape[0]):
-            gate = torch.ops.inkling.linear(x, self.gate_proj[s])
-            up = torch.ops.inkling.linear(x, self.up_proj[s])
+            gate = project(x, self.gate_proj[s], self._scale("gate_proj", s))
+            up = project(x, self.up_proj[s], self._scale("up_proj", s))
             act = F.silu(gate) * up * gammas[:, s:s + 1]  # gamma applies before down_proj
-            down = torch.ops.inkling.linear(act, self.down_proj[s]).float()
+            down = project(act, self.down_proj[s], self._scale("down_proj", s)).float()
             total = down if total is None else total + down
         return total.to(x.dtype)
+
+    def _scale(self, name: str, s: int) -> torch.Tensor | None:
+        scale = getattr(self, f"{name}_scale")
+        return None if scale is None else scale[s]
 
 
 class MoE(nn.Module):
@@ -261,14 +294,14 @@ class MtpDepth(nn.Module):
         H = config.hidden_size
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.embed_norm = RMSNorm(H, config.rms_norm_eps)
-        self.input_proj = nn.Linear(2 * H, H, bias=False)
+        self.input_proj = Linear(2 * H, H)
         self.block = DecoderLayer(block_config, depth)
         self.hidden_first = config.mtp_hidden_states_first
 
     def forward(self, prev: torch.Tensor, embedded: torch.Tensor, ctx) -> torch.Tensor:
         """prev [T, H], embedded [T, H] (the trunk's normed embedding of each x_{q+m}) -> block output."""
         parts = [self.hidden_norm(prev), self.embed_norm(embedded)]
-        fused = linear(torch.cat(parts if self.hidden_first else parts[::-1], dim=-1), self.input_proj.weight)
+        fused = self.input_proj(torch.cat(parts if self.hidden_first else parts[::-1], dim=-1))
         return self.block(fused, ctx)
 
 
@@ -319,7 +352,21 @@ class InklingForCausalLM(nn.Module):
         self.model = TextModel(config, mtp_depths, tp)
         # Only the rows that survive the unpadded-vocab cut are kept.
         _, _, rows = tp.padded_span(config.logits_vocab_size)
-        self.lm_head = _Tensor("weight", (rows, config.hidden_size))
+        self.lm_head = Linear(config.hidden_size, rows)
+
+    def add_int8_scales(self) -> None:
+        """Gives every matmul weight its `<name>_scale` parameter (shape [..., rows], on the weight's device:
+        meta before a load), so that an int8 state dict loads into this model."""
+        for name, p in list(self.named_parameters()):
+            if is_matmul_weight(name, tuple(p.shape)):
+                owner, _, attr = name.rpartition(".")
+                scale = torch.empty(p.shape[:-1], dtype=torch.float32, device=p.device)
+                setattr(self.get_submodule(owner), attr + SCALE_SUFFIX, nn.Parameter(scale, requires_grad=False))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms'): the weights' too, unless they are int8."""
+        return self.model.norm.weight.dtype
 
     def hidden_states(self, ids: torch.Tensor, ctx) -> torch.Tensor:
         x = self.model.embed_tokens(ids)
@@ -329,7 +376,7 @@ class InklingForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden / self.config.logits_mup_width_multiplier, self.lm_head.weight)
+        logits = self.lm_head(hidden / self.config.logits_mup_width_multiplier)
         if self.tp.world == 1:
             return logits
         return self.tp.gather_last(logits)[..., :self.config.logits_vocab_size]

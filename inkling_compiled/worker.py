@@ -29,6 +29,7 @@ from .graphs import Buckets, CompiledStep, choose_buckets, package
 from .kv_layout import pages_for
 from .model import InklingForCausalLM
 from .parallel.ranks import StepChannel
+from .quantize import is_weight_scale
 from .runner import DecodeStep, Runner, VerifyStep
 from .step_plan import PoolEffect, Sampled, StepKind, StepPlan
 from .torch_state import PinnedTorchState
@@ -66,7 +67,7 @@ class Worker:
                                         self.max_batch_size * self.max_model_len)
         bucket_sizes = choose_buckets(max_batch_size, buckets)  # checked whether or not they are compiled
         self.buckets = Buckets(bucket_sizes if compile else None)
-        dtype = model.lm_head.weight.dtype
+        dtype = model.dtype
         self.unit_costs = UnitCosts.of(config, page_size, dtype, draft_tokens)
         num_pages, checkpoints = self._pool_sizes(page_size, num_pages, prefix_cache, prefix_checkpoints,
                                                   state_memory_bytes)
@@ -141,7 +142,7 @@ class Worker:
         the steps are pinned to. The pool's sizes are symbols, so they are not in it."""
         pool = self.pool
         return (package.source_hash(sys.modules[__package__], custom_ops, graphs), repr(self.config),
-                str(self.model.lm_head.weight.dtype), pool.page_size, pool.ring_size,
+                str(self.model.dtype), pool.page_size, pool.ring_size,
                 [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())],
                 [(tuple(p.shape), p.stride(), str(p.dtype)) for p in self.model.parameters()],
                 [(name, repr(get())) for name, (get, _) in torch_state.SETTINGS.items()])
@@ -222,8 +223,13 @@ class Worker:
         def size(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
 
+        model_bytes = torch.empty(0, dtype=self.model.dtype).element_size()
+        int8 = [p for p in self.model.parameters() if p.dtype == torch.int8]
         return {
             "weights": size(self.model.parameters()),
+            # what int8 storage saves against the model's dtype, its scales paid for
+            "int8 saved": sum(p.numel() for p in int8) * (model_bytes - 1)
+                          - size(p for n, p in self.model.named_parameters() if is_weight_scale(n)),
             "slot conv windows": size(each_layer(pool.conv.values())),
             "slot sliding rings": size(each_layer(pool.sliding_kv)),
             "KV pages": size(each_layer(pool.global_kv)),
@@ -242,7 +248,8 @@ def memory_summary(r: dict[str, int]) -> str:
     def mib(n: int) -> str:
         return f"{n / 2**20:.1f} MiB"
 
-    return (f"memory: weights {mib(r['weights'])}; {r['slots']} slots "
+    saved = f" (int8: {mib(r['int8 saved'])} saved)" if r.get("int8 saved") else ""
+    return (f"memory: weights {mib(r['weights'])}{saved}; {r['slots']} slots "
             f"{mib(r['slot conv windows'] + r['slot sliding rings'])}; {r['pages']} KV pages of "
             f"{r['page_size']} tokens {mib(r['KV pages'])}; {r['checkpoints']} prefix checkpoints "
             f"{mib(r['prefix checkpoints'])}; step metadata {r['step metadata'] / 1024:.0f} KiB"

@@ -121,6 +121,13 @@ def test_every_instruction_set_build_of_the_matmul_matches_f_linear(isa):
         "    args = (q, k, v, table, torch.rand(40, generator=g) + 0.5, torch.tensor([0, 3, 40]), torch.tensor([0, 13, 60]), window, 9)\n"
         "    got = torch.ops.inkling.extend_attention(*args)\n"
         "    worst = max(worst, (got - extend_attention_reference(*args)).abs().max().item())\n"
+        "q = torch.randint(-127, 128, (300, 130), generator=g, dtype=torch.int8)  # int8 weights: both layouts\n"
+        "s = torch.rand(300, generator=g) / 100\n"
+        "for w in (q, q.t().contiguous().t()):\n"
+        "    for rows in (1, 3, 5, 17, 32):\n"
+        "        x = torch.randn(rows, 130, generator=g)\n"
+        "        got = torch.ops.inkling.linear_int8(x, w, s)\n"
+        "        worst = max(worst, (got - x @ (w.float() * s[:, None]).t()).abs().max().item())\n"
         "print(cpu_isa(), worst)")
     env = {**os.environ, "INKLING_CPU_ISA": isa, "INKLING_FEW_ROWS": "64"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
@@ -278,6 +285,13 @@ def op_samples():
     yield torch.ops.inkling.moe_experts.default, (
         torch.randn(3, 8, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]), torch.rand(3, 2, generator=g),
         torch.randn(3, 12, 8, generator=g), torch.randn(3, 8, 6, generator=g))
+    i8 = dict(low=-127, high=128, generator=g, dtype=torch.int8)
+    yield torch.ops.inkling.moe_experts_int8.default, (
+        torch.randn(3, 8, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]), torch.rand(3, 2, generator=g),
+        torch.randint(size=(3, 12, 8), **i8), torch.rand(3, 12, generator=g), torch.randint(size=(3, 8, 6), **i8),
+        torch.rand(3, 8, generator=g))
+    yield torch.ops.inkling.linear_int8.default, (torch.randn(2, 8, generator=g), torch.randint(size=(6, 8), **i8),
+                                                  torch.rand(6, generator=g))
     yield torch.ops.inkling.paged_attention.default, (
         torch.randn(2, 4, 8, generator=g), torch.randn(16, 2, 8, generator=g), torch.randn(16, 2, 8, generator=g),
         torch.randn(2, 4, 6, generator=g), torch.rand(2, generator=g) + 1, block_table,

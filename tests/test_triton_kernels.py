@@ -210,6 +210,49 @@ def test_moe_experts(dtype, tokens, layout):
     assert got.dtype == dtype and close(got, want, dtype)
 
 
+def int8_rows(*shape, g):
+    """Random int8 weights (every value in [-127, 127]) and one positive scale per row."""
+    q = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    return q.to(DEVICE), (torch.rand(shape[:-1], generator=g) / 1000 + 1e-4).to(DEVICE)  # weights below 0.14
+
+
+def dequantized(q, scale):  # the rule of quantize.py, written out: w = q * scale per row
+    return q.float() * scale.float()[..., None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_moe_experts_int8(dtype, tokens, layout):
+    g = torch.Generator().manual_seed(100 + tokens)
+    E, k, H, I = 8, 3, 48, 40
+    x = randn(tokens, H, g=g, dtype=dtype)
+    expert_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(DEVICE)
+    expert_ids[0, 1] = -1  # another rank's expert: adds nothing
+    weights = torch.rand(tokens, k, generator=g).to(dtype).to(DEVICE)
+    (gate_up, gu_scale), (down, down_scale) = int8_rows(E, 2 * I, H, g=g), int8_rows(E, H, I, g=g)
+    if layout == "column-major":
+        gate_up, down = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (gate_up, down))
+    want = moe_experts_reference(x.float(), expert_ids, weights.float(), dequantized(gate_up, gu_scale),
+                                 dequantized(down, down_scale))
+    got = CUDA["moe_experts_int8"](x, expert_ids, weights, gate_up, gu_scale, down, down_scale)
+    assert got.dtype == dtype and close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 40, 48), (5, 70, 33), (37, 130, 200)])
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_linear_int8(dtype, rows, out_features, in_features, layout):
+    g = torch.Generator().manual_seed(rows)
+    x = randn(rows, in_features, g=g, dtype=dtype)
+    q, scale = int8_rows(out_features, in_features, g=g)
+    if layout == "column-major":
+        q = q.t().contiguous().t()
+    want = x.float() @ dequantized(q, scale).t()
+    got = CUDA["linear_int8"](x, q, scale)
+    assert got.dtype == dtype and got.shape == want.shape and close(got, want, dtype)
+
+
 def test_moe_alignment_is_static_and_never_looks_at_data():
     """What makes the expert kernels capturable: the alignment runs on tensors without data (fake
     tensors), so it has no host sync and its shapes follow from (tokens, k, experts) alone."""
@@ -275,7 +318,7 @@ class StubKernel:
 
 @pytest.mark.parametrize("op", ["sconv_decode", "sconv_extend", "sconv_verify", "commit_conv_windows", "kv_write",
                                 "paged_attention", "ring_attention", "extend_attention", "moe_experts",
-                                "top_k_top_p"])
+                                "moe_experts_int8", "linear_int8", "top_k_top_p"])
 def test_launchers_never_look_at_their_data(op, monkeypatch):
     """Capturable means no host sync and nothing sized by data: each launcher, its kernels stubbed out,
     runs on fake tensors (which have no data to look at)."""
@@ -306,6 +349,10 @@ def test_launchers_never_look_at_their_data(op, monkeypatch):
         "moe_experts": (torch.randn(3, 8, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]),
                         torch.rand(3, 2, generator=g), torch.randn(3, 12, 8, generator=g),
                         torch.randn(3, 8, 6, generator=g)),
+        "moe_experts_int8": (torch.randn(3, 8, generator=g), torch.tensor([[0, 2], [2, 1], [0, 1]]),
+                             torch.rand(3, 2, generator=g), torch.zeros(3, 12, 8, dtype=torch.int8), torch.ones(3, 12),
+                             torch.zeros(3, 8, 6, dtype=torch.int8), torch.ones(3, 8)),
+        "linear_int8": (torch.randn(3, 8, generator=g), torch.zeros(5, 8, dtype=torch.int8), torch.ones(5)),
         "top_k_top_p": (torch.randn(3, 10, generator=g), torch.tensor([0, 3, 0]), torch.tensor([1.0, 1.0, 0.5])),
     }[op]
     with FakeTensorMode() as mode:

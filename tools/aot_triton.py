@@ -23,8 +23,8 @@ import time
 import torch
 
 POINTER = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
-           torch.int64: "*i64", torch.bool: "*i1"}
-MODULES = ("sconv", "kv", "attention", "extend", "moe", "sampling")
+           torch.int64: "*i64", torch.bool: "*i1", torch.int8: "*i8"}
+MODULES = ("sconv", "kv", "attention", "extend", "moe", "sampling", "linear")
 
 
 class Recorder:
@@ -83,6 +83,12 @@ def sample_launches() -> list:
         gate_up = torch.zeros(4, 80, 48, dtype=dtype)
         gpu["moe"].moe_experts(x, torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.ones(3, 2, dtype=dtype), gate_up,
                                torch.zeros(4, 48, 40, dtype=dtype))
+        # int8 weights (quantization="int8"): the experts and the projections
+        i8 = dict(dtype=torch.int8)
+        gpu["moe"].moe_experts_int8(x, torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.ones(3, 2, dtype=dtype),
+                                    torch.zeros(4, 80, 48, **i8), torch.ones(4, 80), torch.zeros(4, 48, 40, **i8),
+                                    torch.ones(4, 48))
+        gpu["linear"].linear_int8(x, torch.zeros(40, 48, **i8), torch.ones(40))
     # Prompt attention: one head layout per dtype (its variants take seconds each to compile).
     for dtype, (nh, nkv, hd) in ((torch.float32, (8, 1, 64)), (torch.bfloat16, (6, 2, 80))):
         q, table = torch.zeros(2, nh, hd, dtype=dtype), torch.zeros(2, nh, 16, dtype=dtype)

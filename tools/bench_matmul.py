@@ -9,6 +9,10 @@ Prints microseconds per call, ours / ATen (below 1.0 = ours is faster) and the r
 kernel reads the weight. By default one weight of a few MB, read from cache; `--from-memory 512`
 cycles through copies of it filling 512 MB, more than the caches hold, so that every call streams
 its weight from memory, as a decode step does.
+
+`--int8` times `inkling::linear_int8` on int8 weights (the same MB of copies, four times as many)
+against ATen's GEMM on the fp32 weights: up to 32 rows the op is the C++ kernel reading int8, past
+that it dequantizes and calls the GEMM, which is where this table shows the kernel stops paying.
 """
 
 import argparse
@@ -42,6 +46,7 @@ def main() -> None:
     p.add_argument("--isa", choices=["avx512", "avx2", "portable"], help="force the kernel's instruction set")
     p.add_argument("--from-memory", type=int, default=0, metavar="MB",
                    help="cycle through copies of each weight filling MB megabytes (0: one weight, in cache)")
+    p.add_argument("--int8", action="store_true", help="the int8 weight-only op against ATen on fp32 weights")
     args = p.parse_args()
     if os.environ.get("INKLING_FEW_ROWS") != "1000000":  # both are read once, when the kernels load
         env = {**os.environ, "INKLING_FEW_ROWS": "1000000", **({"INKLING_CPU_ISA": args.isa} if args.isa else {})}
@@ -53,6 +58,8 @@ def main() -> None:
     print(f"threads: {args.threads}")
     print(f"C++ kernel instruction set: {cpu_isa()}")
     print(f"weights {'from memory, ' + str(args.from_memory) + ' MB of copies' if args.from_memory else 'in cache'}")
+    if args.int8:
+        return int8_table(shapes, args)
     print("| weight [O, H] | layout | rows | ours us | ATen us | ours / ATen | ours GB/s |\n|---|---|---|---|---|---|---|")
     for o, h in shapes:
         for column_major in (False, True):
@@ -68,6 +75,28 @@ def main() -> None:
                 aten = timed(lambda w: F.linear(x, w), weights)
                 print(f"| {o}x{h} | {'W^T' if column_major else 'W'} | {rows} | {ours:.1f} | {aten:.1f} | "
                       f"{ours / aten:.2f} | {o * h * 4 / ours / 1e3:.1f} |")
+
+
+def int8_table(shapes, args) -> None:
+    from inkling_compiled.custom_ops import dequantize
+
+    print("| weight [O, H] | layout | rows | int8 op us | fp32 ATen us | int8 / fp32 | int8 GB/s |\n|---|---|---|---|---|---|---|")
+    for o, h in shapes:
+        for column_major in (False, True):
+            copies = max(1, (args.from_memory << 20) // (o * h * 4))
+            fp32 = [torch.randn(o, h) for _ in range(copies)]
+            q8 = [torch.randint(-127, 128, (o, h), dtype=torch.int8) for _ in range(copies * 4 if args.from_memory else 1)]
+            if column_major:
+                fp32, q8 = ([w.t().contiguous().t() for w in ws] for ws in (fp32, q8))
+            scale = torch.rand(o) / 100
+            for rows in args.rows:
+                x = torch.randn(rows, h)
+                want = F.linear(x, dequantize(q8[0], scale))
+                assert torch.allclose(torch.ops.inkling.linear_int8(x, q8[0], scale), want, atol=1e-3, rtol=1e-4)
+                ours = timed(lambda q: torch.ops.inkling.linear_int8(x, q, scale), q8)
+                aten = timed(lambda w: F.linear(x, w), fp32)
+                print(f"| {o}x{h} | {'W^T' if column_major else 'W'} | {rows} | {ours:.1f} | {aten:.1f} | "
+                      f"{ours / aten:.2f} | {o * h / ours / 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -676,14 +676,20 @@ template <int W> struct Lanes;
 template <> struct Lanes<16> {
   typedef float f __attribute__((vector_size(64)));
   typedef int32_t i __attribute__((vector_size(64)));
+  typedef int16_t s __attribute__((vector_size(32)));
+  typedef int8_t b __attribute__((vector_size(16)));
 };
 template <> struct Lanes<8> {
   typedef float f __attribute__((vector_size(32)));
   typedef int32_t i __attribute__((vector_size(32)));
+  typedef int16_t s __attribute__((vector_size(16)));
+  typedef int8_t b __attribute__((vector_size(8)));
 };
 template <> struct Lanes<4> {
   typedef float f __attribute__((vector_size(16)));
   typedef int32_t i __attribute__((vector_size(16)));
+  typedef int16_t s __attribute__((vector_size(8)));
+  typedef int8_t b __attribute__((vector_size(4)));
 };
 template <int W> using vecf = typename Lanes<W>::f;
 template <int W> using veci = typename Lanes<W>::i;
@@ -700,6 +706,37 @@ INKLING_INLINE vecf<W> loadv(const float* p) {
 template <int W>
 INKLING_INLINE void storev(float* p, vecf<W> v) {
   std::memcpy(p, &v, sizeof v);
+}
+
+// W weights as floats: fp32 as they are; int8 (weight-only quantized) widened in registers, so that
+// the weight streams from memory at a quarter of the bytes. An int8 weight's scale, one per output,
+// multiplies each output once its sum is done (scale_outputs).
+template <int W>
+INKLING_INLINE vecf<W> loadw(const float* p) {
+  return loadv<W>(p);
+}
+// One sign-extending move (vpmovsxbd) per vector, in assembly: GCC's __builtin_convertvector widens
+// int8 lane by lane, or in a chain of shuffles that saturates one port, and the intrinsics would need
+// every helper above them marked for the instruction set. Only the AVX-512 and AVX2 builds inline the
+// 16- and 8-lane forms; the 4-lane one (unused by the portable build's plain loops) stays generic.
+template <int W>
+INKLING_INLINE vecf<W> loadw(const int8_t* p) {
+  veci<W> wide;
+  if constexpr (W == 16) {
+    asm("vpmovsxbd %1, %0" : "=v"(wide) : "m"(*reinterpret_cast<const typename Lanes<16>::b*>(p)));
+  } else if constexpr (W == 8) {
+    asm("vpmovsxbd %1, %0" : "=x"(wide) : "m"(*reinterpret_cast<const typename Lanes<8>::b*>(p)));
+  } else {
+    typename Lanes<W>::b b;
+    std::memcpy(&b, p, sizeof b);
+    wide = __builtin_convertvector(__builtin_convertvector(b, typename Lanes<W>::s), veci<W>);
+  }
+  return __builtin_convertvector(wide, vecf<W>);
+}
+// Whether a vector of W weights starting at element h begins a 64-byte line (one prefetch per line).
+template <int W, typename T>
+INKLING_INLINE bool starts_line(int64_t h) {
+  return (h * static_cast<int64_t>(sizeof(T))) % 64 == 0;
 }
 
 // The low half plus the high half of a vector.
@@ -721,13 +758,14 @@ INKLING_INLINE float sumv(vec16 v) { return sumv(fold(v)); }
 constexpr int64_t kPrefetch = 256;
 
 // W rows contiguous ([O, H] row-major): R rows x C outputs of dot products, W-wide partial sums.
-template <int W, int R, int C>
-INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t w_o, int64_t O, float* y,
+// T is the weight's element type (float, or int8 whose scale comes later).
+template <int W, int R, int C, typename T>
+INKLING_INLINE void dot_block(const float* x, int64_t H, const T* w, int64_t w_o, int64_t O, float* y,
                                int64_t ahead) {
   vecf<W> acc[R][C] = {};
   int64_t h = 0;
   for (; h + W <= H; h += W) {
-    if (W == 16 || h % 16 == 0) {  // one request per 64-byte line
+    if (starts_line<W, T>(h)) {  // one request per 64-byte line
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * w_o + ahead + h, 0, 2);
     }
@@ -736,7 +774,7 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t
     for (int r = 0; r < R; ++r) xv[r] = loadv<W>(x + r * H + h);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const vecf<W> wv = loadv<W>(w + c * w_o + h);
+      const vecf<W> wv = loadw<W>(w + c * w_o + h);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][c] += xv[r] * wv;
     }
@@ -750,8 +788,8 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const float* w, int64_t
 }
 
 // One panel of outputs [o, o + width) of W's layout for R rows: 4 outputs, or the last panel's rest.
-template <int W, int R>
-INKLING_INLINE void dot_panel(const float* x, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t o,
+template <int W, int R, typename T>
+INKLING_INLINE void dot_panel(const float* x, int64_t H, const T* w, int64_t O, int64_t w_o, int64_t o,
                               int64_t width, float* y) {
   const int64_t ahead = 4 * w_o;  // the next panel, so that it streams in while this one is reused
   if (width == 4) {
@@ -764,21 +802,55 @@ INKLING_INLINE void dot_panel(const float* x, int64_t H, const float* w, int64_t
 // W's layout, outputs [o0, o1) (o0 a multiple of 4): panels of 4 outputs outermost, so that a panel
 // (4 rows of W) comes from memory once and serves every block of rows from cache. Rows go 4 at a time
 // where there are 32 registers (16 accumulators), 2 at a time where there are 16.
+template <int W, typename T>
+INKLING_INLINE void dot_panel_rows(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
+                                   int64_t o, int64_t width, float* y) {
+  constexpr int kRows = W == 16 ? 4 : 2;
+  int64_t r = 0;
+  for (; r + kRows <= n; r += kRows) dot_panel<W, kRows>(x + r * H, H, w, O, w_o, o, width, y + r * O);
+  switch (n - r) {
+    case 3: dot_panel<W, 3>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+    case 2: dot_panel<W, 2>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+    case 1: dot_panel<W, 1>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+    default: break;
+  }
+}
+
+// The calling thread's buffer for one widened panel of int8 weights (4 rows of H floats).
+float* panel_buffer(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
 template <int W>
-INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
+INKLING_INLINE void widen_row(const int8_t* q, int64_t H, float* out, int64_t ahead) {
+  int64_t h = 0;
+  for (; h + W <= H; h += W) {
+    if (starts_line<W, int8_t>(h)) __builtin_prefetch(q + ahead + h, 0, 2);
+    storev<W>(out + h, loadw<W>(q + h));
+  }
+  for (; h < H; ++h) out[h] = q[h];
+}
+
+template <int W, typename T>
+INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
                                 int64_t o0, int64_t o1, float* y) {
   constexpr int kRows = W == 16 ? 4 : 2;
-  for (int64_t o = o0; o < o1; o += 4) {
-    const int64_t width = std::min<int64_t>(4, o1 - o);
-    int64_t r = 0;
-    for (; r + kRows <= n; r += kRows) dot_panel<W, kRows>(x + r * H, H, w, O, w_o, o, width, y + r * O);
-    switch (n - r) {
-      case 3: dot_panel<W, 3>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
-      case 2: dot_panel<W, 2>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
-      case 1: dot_panel<W, 1>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
-      default: break;
+  if constexpr (std::is_same_v<T, int8_t>) {
+    // More rows than one block: widening the panel in every block would cost more than the weight's
+    // read, so each panel is widened once into a cache-resident buffer that every block then reads.
+    if (n > kRows) {
+      float* panel = panel_buffer(4 * H);
+      for (int64_t o = o0; o < o1; o += 4) {
+        const int64_t width = std::min<int64_t>(4, o1 - o);
+        for (int64_t c = 0; c < width; ++c) widen_row<W>(w + (o + c) * w_o, H, panel + c * H, 4 * w_o);
+        dot_panel_rows<W>(x, n, H, panel, O, H, 0, width, y + o);
+      }
+      return;
     }
   }
+  for (int64_t o = o0; o < o1; o += 4) dot_panel_rows<W>(x, n, H, w, O, w_o, o, std::min<int64_t>(4, o1 - o), y);
 }
 
 constexpr int64_t kGroup = 8;  // rows of W^T read together (axpy_outputs below)
@@ -787,18 +859,19 @@ constexpr int64_t kGroup = 8;  // rows of W^T read together (axpy_outputs below)
 // h in [h0, h1): W^T is read kGroup of its rows at a time, front to back, so that the weight streams in
 // order; each group adds its kGroup terms to every row's partial sums in y (cache-resident). Every
 // output sums its terms in order h = h0, h0 + 1, ..., whatever the grouping.
-template <int W>
-INKLING_INLINE void axpy_outputs(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_h,
+template <int W, typename T>
+INKLING_INLINE void axpy_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_h,
                                  int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
   const int64_t full = o0 + (o1 - o0) / W * W;
+  constexpr int64_t ahead = kPrefetch * 4 / sizeof(T);  // the same distance in bytes for either type
   for (int64_t hg = h0; hg < h1; hg += kGroup) {
     const int64_t g = std::min(kGroup, h1 - hg);
-    const float* wg = w + hg * w_h;
+    const T* wg = w + hg * w_h;
     for (int64_t o = o0; o < full; o += W) {
       vecf<W> wv[kGroup];
       for (int64_t j = 0; j < g; ++j) {
-        if (W == 16 || o % 16 == 0) __builtin_prefetch(wg + j * w_h + o + kPrefetch);  // one per line
-        wv[j] = loadv<W>(wg + j * w_h + o);
+        if (starts_line<W, T>(o)) __builtin_prefetch(wg + j * w_h + o + ahead);  // one per line
+        wv[j] = loadw<W>(wg + j * w_h + o);
       }
       for (int64_t r = 0; r < n; ++r) {
         const float* xr = x + r * H + hg;
@@ -824,8 +897,8 @@ INKLING_INLINE void axpy_outputs(const float* x, int64_t n, int64_t H, const flo
 
 // y[n, O] (row stride O) = the terms h in [h0, h1) of x @ W^T, for outputs [o0, o1). W's layout
 // (w_h == 1) takes every term at once (h0 = 0, h1 = H).
-template <int W>
-INKLING_INLINE void matmul_outputs(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
+template <int W, typename T>
+INKLING_INLINE void matmul_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
                                    int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
   if (w_h == 1) dot_outputs<W>(x, n, H, w, O, w_o, o0, o1, y);
   else axpy_outputs<W>(x, n, H, w, O, w_h, o0, o1, h0, h1, y);
@@ -834,6 +907,11 @@ INKLING_INLINE void matmul_outputs(const float* x, int64_t n, int64_t H, const f
 #define INKLING_MATMUL_FOR(isa_name, features, width)                                                          \
   __attribute__((target(features), optimize("fp-contract=fast"))) void matmul_outputs_##isa_name(              \
       const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o, int64_t w_h, int64_t o0,    \
+      int64_t o1, int64_t h0, int64_t h1, float* y) {                                                           \
+    matmul_outputs<width>(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, y);                                          \
+  }                                                                                                            \
+  __attribute__((target(features), optimize("fp-contract=fast"))) void matmul_q8_outputs_##isa_name(           \
+      const float* x, int64_t n, int64_t H, const int8_t* w, int64_t O, int64_t w_o, int64_t w_h, int64_t o0,   \
       int64_t o1, int64_t h0, int64_t h1, float* y) {                                                           \
     matmul_outputs<width>(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, y);                                          \
   }
@@ -1157,12 +1235,13 @@ INKLING_AVX512 void tile_softmax_values_avx512(float* s, int64_t n, const float*
 
 // Without wide registers the blocked kernel spills: plain loops the compiler vectorises for SSE, the
 // terms of each output in order h = 0, 1, ... (16 partial sums in W's layout, added lane by lane).
-void matmul_outputs_portable(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
-                             int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
+template <typename T>
+void portable_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o, int64_t w_h,
+                      int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
   constexpr int64_t L = 16;
   if (w_h == 1) {  // rows of W contiguous: one dot product per (row, output)
     for (int64_t o = o0; o < o1; ++o) {
-      const float* wo = w + o * w_o;
+      const T* wo = w + o * w_o;
       for (int64_t r = 0; r < n; ++r) {
         const float* xr = x + r * H;
         float acc[L] = {0};
@@ -1179,7 +1258,7 @@ void matmul_outputs_portable(const float* x, int64_t n, int64_t H, const float* 
   }
   for (int64_t r = 0; r < n; ++r) std::fill(y + r * O + o0, y + r * O + o1, 0.0f);
   for (int64_t h = h0; h < h1; ++h) {  // columns of W contiguous: y[r, o0:o1] += x[r, h] * W^T[h, o0:o1]
-    const float* wh = w + h * w_h;
+    const T* wh = w + h * w_h;
     for (int64_t r = 0; r < n; ++r) {
       const float xv = x[r * H + h];
       float* yr = y + r * O;
@@ -1187,13 +1266,24 @@ void matmul_outputs_portable(const float* x, int64_t n, int64_t H, const float* 
     }
   }
 }
+void matmul_outputs_portable(const float* x, int64_t n, int64_t H, const float* w, int64_t O, int64_t w_o,
+                             int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
+  portable_outputs(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, y);
+}
+void matmul_q8_outputs_portable(const float* x, int64_t n, int64_t H, const int8_t* w, int64_t O, int64_t w_o,
+                                int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
+  portable_outputs(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, y);
+}
 
 using MatmulKernel = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
                               int64_t, int64_t, int64_t, float*);
+using MatmulQ8Kernel = void (*)(const float*, int64_t, int64_t, const int8_t*, int64_t, int64_t, int64_t, int64_t,
+                                int64_t, int64_t, int64_t, float*);
 
 struct MatmulChoice {
   const char* isa;
   MatmulKernel kernel;
+  MatmulQ8Kernel kernel_q8;
   void (*group_dots)(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*, int64_t, float*);
   void (*group_values)(const float*, int64_t, int64_t, const float*, int64_t, const int64_t*, int64_t, float*);
   void (*softmax_rows)(float*, const float*, int64_t, int64_t, float);
@@ -1210,12 +1300,12 @@ MatmulChoice choose_matmul() {
                       __builtin_cpu_supports("fma");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if ((want.empty() || want == "avx512") && avx512)
-    return {"avx512", matmul_outputs_avx512, group_dots_avx512, group_values_avx512, softmax_rows_avx512,
+    return {"avx512", matmul_outputs_avx512, matmul_q8_outputs_avx512, group_dots_avx512, group_values_avx512, softmax_rows_avx512,
           silu_mul_avx512, tile_scores_avx512, tile_softmax_values_avx512};
   if ((want.empty() || want == "avx512" || want == "avx2") && avx2)
-    return {"avx2", matmul_outputs_avx2, group_dots_avx2, group_values_avx2, softmax_rows_avx2,
+    return {"avx2", matmul_outputs_avx2, matmul_q8_outputs_avx2, group_dots_avx2, group_values_avx2, softmax_rows_avx2,
           silu_mul_avx2, nullptr, nullptr};
-  return {"portable", matmul_outputs_portable, group_dots_portable, group_values_portable, softmax_rows_portable,
+  return {"portable", matmul_outputs_portable, matmul_q8_outputs_portable, group_dots_portable, group_values_portable, softmax_rows_portable,
           silu_mul_portable, nullptr, nullptr};
 }
 
@@ -1240,10 +1330,13 @@ constexpr size_t kKeepScratchFloats = 4 << 20;
 // - W^T's: (chunk of rows of W^T, range of columns) pairs; each chunk's partial sums go to a scratch
 //   buffer of their own, and `reduce` adds the chunks in order. The chunks depend on the shape and the
 //   rows only, never on the thread count.
+// An int8 weight (wq, with one scale per output) splits the same way; `reduce` then scales each output.
 struct SplitMatmul {
   const float* x;
   int64_t n, H;
-  const float* w;
+  const float* w;      // fp32 weight, or null ...
+  const int8_t* wq;    // ... and the int8 one with its scales
+  const float* scale;
   int64_t O, w_o, w_h;
   float* y;
   float* partial;  // h_chunks x n x O floats when h_chunks > 1, else unused
@@ -1251,10 +1344,16 @@ struct SplitMatmul {
 
   SplitMatmul(const float* x_, int64_t n_, int64_t H_, const float* w_, int64_t O_, int64_t w_o_, int64_t w_h_,
               float* y_)
-      : x(x_), n(n_), H(H_), w(w_), O(O_), w_o(w_o_), w_h(w_h_), y(y_), partial(nullptr) {
+      : SplitMatmul(x_, n_, H_, w_, nullptr, nullptr, O_, w_o_, w_h_, y_) {}
+  SplitMatmul(const float* x_, int64_t n_, int64_t H_, const int8_t* wq_, const float* scale_, int64_t O_,
+              int64_t w_o_, int64_t w_h_, float* y_)
+      : SplitMatmul(x_, n_, H_, nullptr, wq_, scale_, O_, w_o_, w_h_, y_) {}
+  SplitMatmul(const float* x_, int64_t n_, int64_t H_, const float* w_, const int8_t* wq_, const float* scale_,
+              int64_t O_, int64_t w_o_, int64_t w_h_, float* y_)
+      : x(x_), n(n_), H(H_), w(w_), wq(wq_), scale(scale_), O(O_), w_o(w_o_), w_h(w_h_), y(y_), partial(nullptr) {
     if (w_h == 1) {
       // Panels of 4 outputs, enough of them that a task reads kTaskBytes.
-      o_step = 4 * std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, 16 * H));
+      o_step = 4 * std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, 4 * elem_bytes() * H));
     } else {
       o_step = std::min<int64_t>(kChunkCols, (O + 15) / 16 * 16);
       // Chunks of kChunkRows rows, fewer (and longer, in steps of kGroup) where the partial sums would
@@ -1267,23 +1366,32 @@ struct SplitMatmul {
     }
     o_tasks = (O + o_step - 1) / o_step;
   }
+  int64_t elem_bytes() const { return wq ? 1 : 4; }
+  int64_t weight_bytes() const { return O * H * elem_bytes(); }
   int64_t tasks() const { return o_tasks * h_chunks; }
   int64_t scratch_floats() const { return h_chunks > 1 ? h_chunks * n * O : 0; }
-  void run(int64_t task, MatmulKernel kernel) const {
+  bool reduces() const { return h_chunks > 1 || scale != nullptr; }
+  void run(int64_t task, const MatmulChoice& kernels) const {
     const int64_t chunk = task / o_tasks, o0 = task % o_tasks * o_step, o1 = std::min(O, o0 + o_step);
     const int64_t h0 = chunk * chunk_rows, h1 = w_h == 1 ? H : std::min(H, h0 + chunk_rows);
-    kernel(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, h_chunks > 1 ? partial + chunk * n * O : y);
+    float* out = h_chunks > 1 ? partial + chunk * n * O : y;
+    if (wq) kernels.kernel_q8(x, n, H, wq, O, w_o, w_h, o0, o1, h0, h1, out);
+    else kernels.kernel(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, out);
   }
-  // y = the chunks' partial sums, added in chunk order; outputs [o0, o1) of every row.
+  // y = the chunks' partial sums, added in chunk order, times the scales of an int8 weight; outputs
+  // [o0, o1) of every row.
   void reduce(int64_t o0, int64_t o1) const {
-    if (h_chunks == 1) return;
     for (int64_t r = 0; r < n; ++r) {
       float* yr = y + r * O;
-      std::copy(partial + r * O + o0, partial + r * O + o1, yr + o0);
-      for (int64_t c = 1; c < h_chunks; ++c) {
-        const float* pr = partial + (c * n + r) * O;
-        for (int64_t o = o0; o < o1; ++o) yr[o] += pr[o];
+      if (h_chunks > 1) {
+        std::copy(partial + r * O + o0, partial + r * O + o1, yr + o0);
+        for (int64_t c = 1; c < h_chunks; ++c) {
+          const float* pr = partial + (c * n + r) * O;
+          for (int64_t o = o0; o < o1; ++o) yr[o] += pr[o];
+        }
       }
+      if (scale)
+        for (int64_t o = o0; o < o1; ++o) yr[o] *= scale[o];
     }
   }
 };
@@ -1314,17 +1422,17 @@ void run_split(std::vector<SplitMatmul>& parts) {
     buffer += parts[i].scratch_floats();
     for (int64_t t = 0; t < parts[i].tasks(); ++t) all.emplace_back(i, t);
     tasks += parts[i].tasks();
-    bytes += parts[i].O * parts[i].H * 4;
+    bytes += parts[i].weight_bytes();
   }
-  const MatmulKernel kernel = matmul_choice().kernel;
+  const MatmulChoice& kernels = matmul_choice();
   const int64_t grain = std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, bytes / std::max<int64_t>(1, tasks)));
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) parts[all[t].first].run(all[t].second, kernel);
+    for (int64_t t = begin; t < end; ++t) parts[all[t].first].run(all[t].second, kernels);
   });
   constexpr int64_t kReduceCols = 1024;
   std::vector<std::pair<int64_t, int64_t>> sums;  // (part, first column)
   for (size_t i = 0; i < parts.size(); ++i)
-    if (parts[i].h_chunks > 1)
+    if (parts[i].reduces())
       for (int64_t o = 0; o < parts[i].O; o += kReduceCols) sums.emplace_back(i, o);
   at::parallel_for(0, static_cast<int64_t>(sums.size()), 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -1367,6 +1475,9 @@ bool fp32_tiles_built() { return matmul_choice().tile_scores != nullptr; }
 // overrides every choice: this kernel up to N rows (to compare the two).
 constexpr int64_t kMaxFewRows = 64;
 constexpr int64_t kDefaultFewRows = 16;
+// int8 weights: this kernel up to this many rows; past it the FMAs, not the weight's bytes, set the
+// time, and a dequantized copy through ATen's GEMM is faster (tools/bench_matmul.py --int8).
+constexpr int64_t kMaxFewRowsInt8 = 32;
 
 struct ShapeKey {
   int64_t O, H, column_major, threads;
@@ -1434,12 +1545,27 @@ MoeScratch& moe_scratch() {
   return scratch;
 }
 
+// An int8 weight's values as the op references define them: q * scale (one scale per row, fp32),
+// then cast to the activations' dtype. The paths that hand a weight to ATen's GEMM use it.
+at::Tensor dequantized(const at::Tensor& q, const at::Tensor& scale, at::ScalarType dtype) {
+  return (q.to(at::kFloat) * scale.unsqueeze(-1)).to(dtype);
+}
+
+void check_int8_weight(const char* op, const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(q.scalar_type() == at::kChar, op, ": int8 weight expected, got ", q.scalar_type());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.sizes() == q.sizes().slice(0, q.dim() - 1),
+              op, ": one contiguous fp32 scale per weight row expected, got ", scale.sizes(), " for ", q.sizes());
+}
+
 // Routed experts: tokens grouped by expert (stable), each chosen expert's weights read once. Experts
 // whose rows the measured choice gives to the kernel above run on it, split over the intra-op pool by
 // (expert, output range); the others go through ATen's GEMM (prefill). Each token's output sums its
-// experts' contributions in expert order: the same result at any thread count.
-at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::Tensor& weights,
-                       const at::Tensor& gate_up, const at::Tensor& down) {
+// experts' contributions in expert order: the same result at any thread count. With scales the banks
+// are int8 (moe_experts_int8): the kernel above reads them as they are, ATen gets dequantized copies.
+at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::Tensor& weights,
+                            const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor* gate_up_scale,
+                            const at::Tensor* down_scale) {
   const auto ids = expert_ids.to(at::kLong).contiguous();
   const auto x = x_in.contiguous();
   const int64_t T = ids.size(0), k = ids.size(1), E = gate_up.size(0), H = x.size(1), I = down.size(2);
@@ -1459,13 +1585,18 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   }
   const auto flat_w = weights.reshape({-1}).to(at::kFloat).contiguous();
   auto out = at::zeros_like(x);
-  const bool fp32 = x.scalar_type() == at::kFloat && gate_up.scalar_type() == at::kFloat &&
-                    down.scalar_type() == at::kFloat && (gate_up.stride(2) == 1 || gate_up.stride(1) == 1) &&
+  const bool quantized = gate_up_scale != nullptr;
+  const auto bank_type = quantized ? at::kChar : at::kFloat;
+  const bool fp32 = x.scalar_type() == at::kFloat && gate_up.scalar_type() == bank_type &&
+                    down.scalar_type() == bank_type && (gate_up.stride(2) == 1 || gate_up.stride(1) == 1) &&
                     (down.stride(2) == 1 || down.stride(1) == 1);
   const auto opts = at::TensorOptions().dtype(at::kLong);
+  auto expert_weight = [&](const at::Tensor& bank, const at::Tensor* scale, int64_t e) {
+    return quantized ? dequantized(bank[e], (*scale)[e], x.scalar_type()) : bank[e];
+  };
   auto aten_expert = [&](const at::Tensor& xe, int64_t e) {  // down(silu(gate) * up) by ATen's GEMM
-    const auto g = at::linear(xe, gate_up[e]);
-    return at::linear(at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), down[e]);
+    const auto g = at::linear(xe, expert_weight(gate_up, gate_up_scale, e));
+    return at::linear(at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), expert_weight(down, down_scale, e));
   };
   if (!fp32) {  // bf16 and other dtypes: ATen per expert, in expert order
     for (int64_t e = 0; e < E; ++e) {
@@ -1496,19 +1627,28 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   ours.assign(E, 0);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = first[e + 1] - first[e];
-    ours[e] = n > 0 && few_rows_serves(2 * I, H, gu_cm, n) && few_rows_serves(H, I, down_cm, n);
+    // int8 banks: this kernel at any few-row count (ATen would first need a dequantized copy).
+    ours[e] = n > 0 && (quantized ? n <= kMaxFewRowsInt8
+                                  : few_rows_serves(2 * I, H, gu_cm, n) && few_rows_serves(H, I, down_cm, n));
   }
   // One matmul of every expert the kernel serves, their tasks on the intra-op pool together.
-  auto experts_matmul = [&](const at::Tensor& bank, int64_t O, int64_t in, const float* src, float* dst) {
+  auto experts_matmul = [&](const at::Tensor& bank, const at::Tensor* scale, int64_t O, int64_t in,
+                            const float* src, float* dst) {
     std::vector<SplitMatmul> parts;
-    for (int64_t e = 0; e < E; ++e)
-      if (ours[e])
-        parts.emplace_back(src + first[e] * in, first[e + 1] - first[e], in,
-                           bank.data_ptr<float>() + e * bank.stride(0), O, bank.stride(1), bank.stride(2),
-                           dst + first[e] * O);
+    for (int64_t e = 0; e < E; ++e) {
+      if (!ours[e]) continue;
+      const float* xe = src + first[e] * in;
+      const int64_t n = first[e + 1] - first[e];
+      if (quantized)
+        parts.emplace_back(xe, n, in, bank.data_ptr<int8_t>() + e * bank.stride(0),
+                           scale->data_ptr<float>() + e * O, O, bank.stride(1), bank.stride(2), dst + first[e] * O);
+      else
+        parts.emplace_back(xe, n, in, bank.data_ptr<float>() + e * bank.stride(0), O, bank.stride(1),
+                           bank.stride(2), dst + first[e] * O);
+    }
     run_split(parts);
   };
-  experts_matmul(gate_up, 2 * I, H, xs, gu);
+  experts_matmul(gate_up, gate_up_scale, 2 * I, H, xs, gu);
   std::vector<std::pair<int64_t, int64_t>> our_pairs;  // [first, end) of each expert this kernel serves
   for (int64_t e = 0; e < E; ++e)
     if (ours[e]) our_pairs.emplace_back(first[e], first[e + 1]);
@@ -1523,13 +1663,14 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
       matmul_choice().silu_mul(gu + p0 * 2 * I, p1 - p0, I, act + p0 * I);
     }
   });
-  experts_matmul(down, H, I, act, ys);
+  experts_matmul(down, down_scale, H, I, act, ys);
   for (int64_t e = 0; e < E; ++e) {  // the busy experts: ATen's GEMM, itself on the intra-op pool
     const int64_t n = first[e + 1] - first[e];
     if (n == 0 || ours[e]) continue;
     auto ye = at::from_blob(ys + first[e] * H, {n, H}, x.options());
-    const auto g = at::linear(at::from_blob(xs + first[e] * H, {n, H}, x.options()), gate_up[e]);
-    at::mm_out(ye, at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), down[e].t());
+    const auto g = at::linear(at::from_blob(xs + first[e] * H, {n, H}, x.options()),
+                              expert_weight(gate_up, gate_up_scale, e));
+    at::mm_out(ye, at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), expert_weight(down, down_scale, e).t());
   }
   // Each token adds its experts' rows, weighted, in expert order.
   auto& token_pairs = buffers.token_pairs;
@@ -1559,6 +1700,19 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& expert_ids, con
   return out;
 }
 
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
+                       const at::Tensor& gate_up, const at::Tensor& down) {
+  return moe_experts_impl(x, expert_ids, weights, gate_up, down, nullptr, nullptr);
+}
+
+at::Tensor moe_experts_int8(const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights,
+                            const at::Tensor& gate_up, const at::Tensor& gate_up_scale, const at::Tensor& down,
+                            const at::Tensor& down_scale) {
+  check_int8_weight("moe_experts_int8", gate_up, gate_up_scale);
+  check_int8_weight("moe_experts_int8", down, down_scale);
+  return moe_experts_impl(x, expert_ids, weights, gate_up, down, &gate_up_scale, &down_scale);
+}
+
 // y = x @ W^T; fp32 rows through few_rows_matmul where the measured choice says so, else ATen.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight) {
   const int64_t H = x_in.size(-1), O = weight.size(0);
@@ -1573,6 +1727,28 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight) {
   auto y = at::empty(sizes, x.options());
   few_rows_matmul(x.data_ptr<float>(), n, H, weight.data_ptr<float>(), O, weight.stride(0), weight.stride(1),
                   y.data_ptr<float>());
+  return y;
+}
+
+// y = x @ (q * scale)^T for an int8 weight q [O, H] with one scale per output: fp32 rows up to
+// kMaxFewRowsInt8 through the kernel above, which reads q as it is; more rows (prefill) dequantize q once
+// and go to ATen's GEMM, whose time grows with the rows while the copy's does not.
+at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale) {
+  const int64_t H = x_in.size(-1), O = weight.size(0);
+  const int64_t n = H ? x_in.numel() / H : 0;
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == H, "linear_int8: weight [O, ", H, "] expected");
+  check_int8_weight("linear_int8", weight, scale);
+  const bool few = x_in.scalar_type() == at::kFloat && (weight.stride(1) == 1 || weight.stride(0) == 1) &&
+                   n >= 1 && n <= kMaxFewRowsInt8;
+  if (!few) return at::linear(x_in, dequantized(weight, scale, x_in.scalar_type()));
+  const auto x = x_in.contiguous();
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = O;
+  auto y = at::empty(sizes, x.options());
+  std::vector<SplitMatmul> one{SplitMatmul(x.data_ptr<float>(), n, H, weight.data_ptr<int8_t>(),
+                                           scale.data_ptr<float>(), O, weight.stride(0), weight.stride(1),
+                                           y.data_ptr<float>())};
+  run_split(one);
   return y;
 }
 
@@ -1642,6 +1818,8 @@ TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("ring_attention", &ring_attention);
   m.impl("extend_attention", &extend_attention);
   m.impl("moe_experts", &moe_experts);
+  m.impl("moe_experts_int8", &moe_experts_int8);
+  m.impl("linear_int8", &linear_int8);
   m.impl("top_k_top_p", &top_k_top_p);
   m.impl("linear", &linear);
 }

@@ -45,9 +45,11 @@ def align_pairs(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, P, k, H, I, sx, sw_e, sw_n, sw_k, sa,
-                    UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """act[block row, n] = silu(gate_e . x_token) * (up_e . x_token) for the block's pairs."""
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, act_ptr, P, k, H, I, sx, sw_e, sw_n, sw_k, sa,
+                    UPCAST: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    """act[block row, n] = silu(gate_e . x_token) * (up_e . x_token) for the block's pairs. QUANT: the
+    bank is int8, widened in registers, and each output times its row's scale (s_ptr [E, 2I])."""
     blk, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + blk)
     if e >= 0:
@@ -72,16 +74,22 @@ def _gate_up_kernel(x_ptr, w_ptr, pair_ptr, expert_ptr, act_ptr, P, k, H, I, sx,
                 gate += tl.dot(xa, wg, input_precision="ieee")
                 up += tl.dot(xa, wu, input_precision="ieee")
             else:
-                gate += tl.dot(xa, wg)
-                up += tl.dot(xa, wu)
+                gate += tl.dot(xa, wg.to(xa.dtype))
+                up += tl.dot(xa, wu.to(xa.dtype))
+        if QUANT:
+            s_e = s_ptr + e.to(tl.int64) * 2 * I
+            gate *= tl.load(s_e + n, mask=nm, other=0.0)[None, :]
+            up *= tl.load(s_e + I + n, mask=nm, other=0.0)[None, :]
         act = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(act_ptr + r[:, None] * sa + n[None, :], act.to(act_ptr.dtype.element_ty), mask=nm[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, weight_ptr, out_ptr, P, H, I, sa, sw_e, sw_n, sw_k, so,
-                 UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out[pair, n] = weight[pair] * (down_e . act[block row]) for the block's live pairs."""
+def _down_kernel(act_ptr, w_ptr, s_ptr, pair_ptr, expert_ptr, weight_ptr, out_ptr, P, H, I, sa, sw_e, sw_n, sw_k,
+                 so, UPCAST: tl.constexpr, QUANT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
+    """out[pair, n] = weight[pair] * (down_e . act[block row]) for the block's live pairs (QUANT: as
+    above, scales s_ptr [E, H])."""
     blk, nb = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + blk)
     if e >= 0:
@@ -100,7 +108,9 @@ def _down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, weight_ptr, out_ptr, P, H
             if UPCAST:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
-                acc += tl.dot(a, w)
+                acc += tl.dot(a, w.to(a.dtype))
+        if QUANT:
+            acc *= tl.load(s_ptr + e.to(tl.int64) * H + n, mask=nm, other=0.0)[None, :]
         route_w = tl.load(weight_ptr + pair, mask=live, other=0.0).to(tl.float32)
         tl.store(out_ptr + pair[:, None] * so + n[None, :], acc * route_w[:, None], mask=live[:, None] & nm[None, :])
 
@@ -108,6 +118,16 @@ def _down_kernel(act_ptr, w_ptr, pair_ptr, expert_ptr, weight_ptr, out_ptr, P, H
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
     """Signature and result of `moe.moe_experts_reference`."""
+    return _experts(x, expert_ids, weights, gate_up, None, down, None)
+
+
+def moe_experts_int8(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                     gate_up_scale: torch.Tensor, down: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
+    """Signature and result of `moe.moe_experts_int8_reference`."""
+    return _experts(x, expert_ids, weights, gate_up, gate_up_scale, down, down_scale)
+
+
+def _experts(x, expert_ids, weights, gate_up, gate_up_scale, down, down_scale):
     (T, H), k, (E, I2, _) = x.shape, expert_ids.shape[1], gate_up.shape
     I, P = I2 // 2, T * k
     if P == 0:
@@ -117,10 +137,12 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     blocks = block_expert.shape[0]
     upcast = _INTERPRETED or x.dtype == torch.float32
     act = torch.empty(blocks * BM, I, dtype=x.dtype, device=x.device)
+    quant = gate_up_scale is not None  # without scales the weight stands in for the unused pointer
     _gate_up_kernel[(blocks, triton.cdiv(I, BN))](
-        x, gate_up, pair_of, block_expert, act, P, k, H, I, x.stride(0), *gate_up.stride(), act.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)
+        x, gate_up, gate_up_scale if quant else gate_up, pair_of, block_expert, act, P, k, H, I, x.stride(0),
+        *gate_up.stride(), act.stride(0), UPCAST=upcast, QUANT=quant, BM=BM, BN=BN, BK=BK)
     per_pair = torch.zeros(P, H, dtype=torch.float32, device=x.device)  # skipped pairs add zeros
     _down_kernel[(blocks, triton.cdiv(H, BN))](
-        act, down, pair_of, block_expert, weights.reshape(-1), per_pair, P, H, I, act.stride(0), *down.stride(),
-        per_pair.stride(0), UPCAST=upcast, BM=BM, BN=BN, BK=BK)
+        act, down, down_scale if quant else down, pair_of, block_expert, weights.reshape(-1), per_pair, P, H, I,
+        act.stride(0), *down.stride(), per_pair.stride(0), UPCAST=upcast, QUANT=quant, BM=BM, BN=BN, BK=BK)
     return per_pair.view(T, k, H).sum(dim=1).to(x.dtype)

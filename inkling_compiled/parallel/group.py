@@ -23,6 +23,7 @@ import torch.distributed._functional_collectives as funcol
 
 from ..config import InklingConfig, LayerGeometry
 from ..errors import ConfigError
+from ..quantize import SCALE_SUFFIX, is_weight_scale
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # torch 2.13 renamed all_gather_tensor (which still works, with a warning); 2.11 has only the old name.
@@ -97,6 +98,11 @@ class TensorParallel:
         """How checkpoint tensor `name` (transformers names) is cut for this rank: (dim, start, stop, rows
         held) or None when every rank holds all of it. rows > stop - start pads with zeros."""
         c = self.config
+        if is_weight_scale(name):  # an int8 weight's scales, one per row: cut as the rows are
+            weight = name[:-len(SCALE_SUFFIX)]
+            rule = self.shard_rule(weight)
+            last = 2 if "experts." in weight else 1  # the weight's input dimension (banks are [E, rows, in])
+            return None if rule is None or rule[0] == last else rule
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             start, stop, rows = self.padded_span(c.vocab_size if name.startswith("model.") else c.logits_vocab_size)
             return 0, start, stop, rows
@@ -149,7 +155,9 @@ class TensorParallel:
         if stop - start < rows:  # the last vocabulary share: zero rows, cut off after the gather
             pad = list(part.shape)
             pad[dim] = rows - (stop - start)
-            part = torch.cat([part, part.new_zeros(pad)], dim=dim)
+            # (an int8 weight's padding rows are zero at scale 1: a zero scale marks a broken checkpoint)
+            fill = part.new_ones if is_weight_scale(name) else part.new_zeros
+            part = torch.cat([part, fill(pad)], dim=dim)
         return part
 
     # ---- the step's collectives (traceable: a compiled step stays one graph) ----------------------

@@ -13,6 +13,7 @@ import torch
 from ..config import InklingConfig
 from ..errors import InklingError, OptionError
 from ..loading import load_model, resolve_device
+from ..quantize import resolve
 from ..tokenizer import TextTokenizer
 from ..worker import WORKER_OPTIONS
 from . import runtime
@@ -33,12 +34,13 @@ def check_options(options: dict) -> None:
                           "cannot call the collectives (torch 2.13); leave it None")
 
 
-def start(engine_class, path, world: int, timeout, device, dtype, check_finite: bool, options: dict):
+def start(engine_class, path, world: int, timeout, device, dtype, check_finite: bool, options: dict,
+          quantization: str | None = None):
     """Rank 0's engine of `world` ranks (`engine_class(model, tokenizer=..., ranks=..., **options)`)."""
     check_options(options)
     check_divisible(InklingConfig.from_file(Path(path)), world)  # before any process starts
     device = resolve_device(device)
-    load_options = dict(dtype=dtype, check_finite=check_finite)
+    load_options = dict(dtype=dtype, check_finite=check_finite, quantization=resolve(quantization))
     # The other ranks only run the plans rank 0 sends: they build a Worker with its options, and verify
     # as many draft tokens as rank 0's drafter proposes.
     worker_options = {k: options[k] for k in (*WORKER_OPTIONS, "warmup") if k in options}

@@ -143,7 +143,7 @@ class MtpDrafter(Drafter):
     def attach(self, pool, max_model_len: int) -> None:
         config, weight = self.head.block_config, self.model.lm_head.weight
         self.slot_of = pool.slot_of
-        self.states = [DepthState(config.geometry(i), config, pool.max_slots + 1, max_model_len, weight.dtype,
+        self.states = [DepthState(config.geometry(i), config, pool.max_slots + 1, max_model_len, self.model.dtype,
                                   weight.device) for i in range(self.depths)]
 
     def release(self, req) -> None:

@@ -1,0 +1,121 @@
+"""Weight-only int8: which tensors are quantized, the rounding rule, and quantized checkpoints.
+
+Every projection, routed and shared expert bank and the lm_head is stored as int8 values q with one
+fp32 scale per output row (symmetric): scale = max |w| / 127 over the row, q = round(w / scale) with
+ties to even, so that w ~ q * scale and the row's largest magnitude lands on +-127. Norms, conv taps,
+the router, embeddings and biases keep the checkpoint's dtype. An all-zero row (a padded vocabulary
+row) gets scale 1: its q is zero whatever the scale, and a zero scale is what a broken checkpoint has.
+
+A quantized checkpoint (`inkling-compiled quantize IN OUT`) stores each such tensor as int8 under its
+own name plus an fp32 `<name>_scale` ([..., rows]), and says so in config.json's `quantization_config`
+({"quant_method": "inkling-int8", ...}); `loading.load_model` recognises it without being asked.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError, OptionError
+
+METHOD = "inkling-int8"
+SCHEME = {"quant_method": METHOD, "bits": 8, "symmetric": True, "granularity": "per output row",
+          "rounding": "half to even", "scale_suffix": "_scale",
+          "quantized": "projections, routed and shared experts, lm_head (the weights x @ W^T reads)"}
+SCALE_SUFFIX = "_scale"
+CHOICES = ("none", "int8")
+
+
+def is_matmul_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is a matmul weight `[..., out, in]` (used as x @ W^T): what int8 quantizes, and
+    what the loader may store transposed."""
+    if name.endswith(SCALE_SUFFIX):
+        return False
+    is_matmul = name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")) or name == "lm_head.weight"
+    return (is_matmul or ".shared_experts." in name) and len(shape) >= 2
+
+
+def is_weight_scale(name: str) -> bool:
+    """Whether a tensor is an int8 weight's scales (`<matmul weight>_scale`; not `mlp.global_scale`)."""
+    return name.endswith(SCALE_SUFFIX) and is_matmul_weight(name[:-len(SCALE_SUFFIX)], (1, 1))
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8, scale fp32 [..., rows]) of a weight [..., rows, in], by the rule above."""
+    w32 = w.float()
+    scale = w32.abs().amax(dim=-1) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(w32 / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def resolve(quantization: str | None) -> str | None:
+    """None (what the checkpoint is), 'none' or 'int8'; anything else is an OptionError."""
+    if quantization is None or quantization in CHOICES:
+        return quantization
+    raise OptionError(f"unsupported quantization {quantization!r}: choose one of {', '.join(CHOICES)}")
+
+
+def checkpoint_scheme(path: str | Path) -> str | None:
+    """'int8' if the checkpoint's config.json says its weights are quantized by this scheme, None if it
+    has no `quantization_config`; a CheckpointError for any other scheme."""
+    config = Path(path) / "config.json"
+    try:
+        block = json.loads(config.read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None  # the config's own reader reports what is wrong with it
+    if block is None:
+        return None
+    if not isinstance(block, dict) or block.get("quant_method") != METHOD:
+        method = block.get("quant_method") if isinstance(block, dict) else block
+        raise CheckpointError(f"{config}: quantization_config names {method!r}, which this engine does not read "
+                              f"(it reads {METHOD!r} checkpoints, written by `inkling-compiled quantize`)")
+    return "int8"
+
+
+def write_quantized(src: str | Path, dst: str | Path) -> dict[str, int]:
+    """Writes `src` (a transformers-layout checkpoint folder) quantized into `dst`: the tensors above as
+    int8 plus their scales, everything else as stored, one tensor in memory at a time; config.json gains
+    the `quantization_config` block and the other files (tokenizer, chat template, ...) are copied.
+    Returns the bytes of the tensors before and after."""
+    from safetensors.torch import save_file
+
+    from .checkpoint import checkpoint_files, iter_file_tensors
+
+    src, dst = Path(src), Path(dst)
+    if checkpoint_scheme(src) is not None:
+        raise CheckpointError(f"{src} is already quantized")
+    if dst.resolve() == src.resolve():
+        raise OptionError("the output folder must differ from the input folder")
+    files = checkpoint_files(src)
+    out: dict[str, torch.Tensor] = {}
+    before = 0
+    for name, load in iter_file_tensors(files):
+        t = load()
+        before += t.numel() * t.element_size()
+        hf = name.replace("model.language_model.", "model.", 1)
+        if name.startswith(("model.llm.", "model.language_model.llm.")):
+            raise CheckpointError(f"{src} is in the original ('model.llm.') layout: load it and save it in "
+                                  "transformers names first; quantize reads transformers names only")
+        if is_matmul_weight(hf, tuple(t.shape)):
+            if not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{src}: non-finite values (NaN or inf) in {name}: nothing to quantize")
+            q, scale = quantize_rows(t)
+            out[name], out[name + SCALE_SUFFIX] = q, scale
+        else:
+            out[name] = t.contiguous()
+        del t
+    after = sum(t.numel() * t.element_size() for t in out.values())
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt", "quantization": METHOD})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = SCHEME
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", "model.safetensors.index.json") \
+                and f not in files:
+            shutil.copy2(f, dst / f.name)
+    return {"bytes_before": before, "bytes_after": after}
