@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
@@ -27,8 +28,8 @@ import torch
 from safetensors import safe_open
 
 from .config import InklingConfig
-from .errors import CheckpointError
-from .quantize import SCALE_SUFFIX, is_matmul_weight
+from .errors import CheckpointError, OptionError
+from .quantize import METHOD, SCALE_SUFFIX, SCHEME, checkpoint_scheme, is_matmul_weight, quantize_rows
 
 log = logging.getLogger("inkling_compiled")
 
@@ -354,3 +355,48 @@ def _is_unpadded_head(name: str, shape: tuple[int, ...], config: InklingConfig) 
 def _preview(items: list[str], limit: int = 12) -> str:
     shown = ", ".join(items[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+# ---- writing an int8 copy (`inkling-compiled quantize`) -----------------------------------------
+
+def write_quantized(src: str | Path, dst: str | Path) -> dict[str, int]:
+    """Writes `src` (a transformers-layout checkpoint folder) quantized into `dst`: the tensors above as
+    int8 plus their scales, everything else as stored, one tensor in memory at a time; config.json gains
+    the `quantization_config` block and the other files (tokenizer, chat template, ...) are copied.
+    Returns the bytes of the tensors before and after."""
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    if checkpoint_scheme(src) is not None:
+        raise CheckpointError(f"{src} is already quantized")
+    if dst.resolve() == src.resolve():
+        raise OptionError("the output folder must differ from the input folder")
+    files = checkpoint_files(src)
+    out: dict[str, torch.Tensor] = {}
+    before = 0
+    for name, load in iter_file_tensors(files):
+        t = load()
+        before += t.numel() * t.element_size()
+        hf = name.replace("model.language_model.", "model.", 1)
+        if name.startswith(("model.llm.", "model.language_model.llm.")):
+            raise CheckpointError(f"{src} is in the original ('model.llm.') layout: load it and save it in "
+                                  "transformers names first; quantize reads transformers names only")
+        if is_matmul_weight(hf, tuple(t.shape)):
+            if not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{src}: non-finite values (NaN or inf) in {name}: nothing to quantize")
+            q, scale = quantize_rows(t)
+            out[name], out[name + SCALE_SUFFIX] = q, scale
+        else:
+            out[name] = t.contiguous()
+        del t
+    after = sum(t.numel() * t.element_size() for t in out.values())
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt", "quantization": METHOD})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = SCHEME
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in src.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors", "model.safetensors.index.json") \
+                and f not in files:
+            shutil.copy2(f, dst / f.name)
+    return {"bytes_before": before, "bytes_after": after}

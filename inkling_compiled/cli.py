@@ -55,7 +55,7 @@ def _run_engine(engine, prompts, params, show_progress: bool):
 
 
 def _quantize(args) -> int:
-    from .quantize import write_quantized
+    from .checkpoint import write_quantized
 
     sizes = write_quantized(args.input, args.output)
     print(f"wrote {args.output}: tensors {sizes['bytes_before'] / 2**20:.1f} MiB -> {sizes['bytes_after'] / 2**20:.1f} MiB")
@@ -390,7 +390,7 @@ def _roofline(args: argparse.Namespace) -> int:
     machines, rows = [], []
     for config in args.configs:
         m, r = roofline(config, args.batches, context=args.context, threads=args.threads, kinds=tuple(args.steps),
-                        extend_tokens=args.extend_tokens)
+                        extend_tokens=args.extend_tokens, quantization=args.quantization)
         machines, rows = machines + m, rows + r
     print(roofline_table(machines, rows), end="")
     return 0
@@ -583,6 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--steps", nargs="+", default=["decode", "verify", "extend"],
                       choices=["decode", "verify", "extend"], help="step kinds to time against their floor")
     roof.add_argument("--extend-tokens", type=positive_int, default=256, help="tokens of the timed prefill chunk")
+    roof.add_argument("--quantization", default="none", choices=["none", "int8"],
+                      help="the engine's weights (int8: its floor counts the int8 bytes)")
     roof.set_defaults(run=_roofline)
     dump = sub.add_parser("dump-graphs", help="write each bucket's graphs, code, guards and op census as text")
     dump.add_argument("--model", help="checkpoint folder")

@@ -6,15 +6,15 @@ ties to even, so that w ~ q * scale and the row's largest magnitude lands on +-1
 the router, embeddings and biases keep the checkpoint's dtype. An all-zero row (a padded vocabulary
 row) gets scale 1: its q is zero whatever the scale, and a zero scale is what a broken checkpoint has.
 
-A quantized checkpoint (`inkling-compiled quantize IN OUT`) stores each such tensor as int8 under its
-own name plus an fp32 `<name>_scale` ([..., rows]), and says so in config.json's `quantization_config`
-({"quant_method": "inkling-int8", ...}); `loading.load_model` recognises it without being asked.
+A quantized checkpoint (`inkling-compiled quantize IN OUT`, `checkpoint.write_quantized`) stores each
+such tensor as int8 under its own name plus an fp32 `<name>_scale` ([..., rows]), and says so in
+config.json's `quantization_config` ({"quant_method": "inkling-int8", ...}); `loading.load_model`
+recognises it without being asked.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -74,48 +74,3 @@ def checkpoint_scheme(path: str | Path) -> str | None:
         raise CheckpointError(f"{config}: quantization_config names {method!r}, which this engine does not read "
                               f"(it reads {METHOD!r} checkpoints, written by `inkling-compiled quantize`)")
     return "int8"
-
-
-def write_quantized(src: str | Path, dst: str | Path) -> dict[str, int]:
-    """Writes `src` (a transformers-layout checkpoint folder) quantized into `dst`: the tensors above as
-    int8 plus their scales, everything else as stored, one tensor in memory at a time; config.json gains
-    the `quantization_config` block and the other files (tokenizer, chat template, ...) are copied.
-    Returns the bytes of the tensors before and after."""
-    from safetensors.torch import save_file
-
-    from .checkpoint import checkpoint_files, iter_file_tensors
-
-    src, dst = Path(src), Path(dst)
-    if checkpoint_scheme(src) is not None:
-        raise CheckpointError(f"{src} is already quantized")
-    if dst.resolve() == src.resolve():
-        raise OptionError("the output folder must differ from the input folder")
-    files = checkpoint_files(src)
-    out: dict[str, torch.Tensor] = {}
-    before = 0
-    for name, load in iter_file_tensors(files):
-        t = load()
-        before += t.numel() * t.element_size()
-        hf = name.replace("model.language_model.", "model.", 1)
-        if name.startswith(("model.llm.", "model.language_model.llm.")):
-            raise CheckpointError(f"{src} is in the original ('model.llm.') layout: load it and save it in "
-                                  "transformers names first; quantize reads transformers names only")
-        if is_matmul_weight(hf, tuple(t.shape)):
-            if not bool(torch.isfinite(t).all()):
-                raise CheckpointError(f"{src}: non-finite values (NaN or inf) in {name}: nothing to quantize")
-            q, scale = quantize_rows(t)
-            out[name], out[name + SCALE_SUFFIX] = q, scale
-        else:
-            out[name] = t.contiguous()
-        del t
-    after = sum(t.numel() * t.element_size() for t in out.values())
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt", "quantization": METHOD})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = SCHEME
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for f in src.iterdir():
-        if f.is_file() and f.name not in ("config.json", "model.safetensors", "model.safetensors.index.json") \
-                and f not in files:
-            shutil.copy2(f, dst / f.name)
-    return {"bytes_before": before, "bytes_after": after}

@@ -64,9 +64,10 @@ def _threads_restored():
 
 def roofline(config_name: str, batches: list[int], context: int = 128, new_tokens: int = 64,
              threads: list[int] | None = None, kinds: tuple[str, ...] = STEP_KINDS, extend_tokens: int = 256,
-             speculative_tokens: int = 2) -> tuple[list[dict], list[dict]]:
+             speculative_tokens: int = 2, quantization: str = "none") -> tuple[list[dict], list[dict]]:
     """(machine rows, step rows): per thread count the machine's rates, and per step kind and batch the
-    floor and the compiled engine's measured step on a seeded checkpoint."""
+    floor and the compiled engine's measured step on a seeded checkpoint (its weights int8 with
+    quantization='int8': the floor then counts their int8 bytes and scales)."""
     import tempfile
     from pathlib import Path
 
@@ -86,7 +87,8 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
             torch.set_num_threads(count)  # engines pin the count they are built under
             common = dict(max_batch_size=max(batches), progress=False,
                           max_model_len=max(context, extend_tokens) + speculative_tokens + 2,
-                          prefill_chunk_tokens=max(max(batches) * prompt_len, extend_tokens))
+                          prefill_chunk_tokens=max(max(batches) * prompt_len, extend_tokens),
+                          quantization=quantization)
             plain = Engine.from_pretrained(path, **common)
             measured: list[tuple[str, int, dict, float]] = []  # (kind, batch, cost, seconds per step)
             for batch in batches:
@@ -120,7 +122,8 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
             rate, matmul = machine["bandwidth_gb_s"] * 1e9, machine["matmul_gflop_s"] * 1e9
             for kind, batch, cost, seconds in measured:
                 floor_s = max(cost["bytes"] / rate, cost["flops"] / matmul)
-                rows.append({"config": config_name, "threads": count, "step": kind, "batch": batch,
+                rows.append({"config": config_name + ("" if quantization == "none" else f" {quantization}"),
+                             "threads": count, "step": kind, "batch": batch,
                              "bound": "memory" if cost["bytes"] / rate >= cost["flops"] / matmul else "compute",
                              "mbytes_per_step": cost["bytes"] / 1e6, "mflop_per_step": cost["flops"] / 1e6,
                              "experts_reached": cost["experts_reached"], "floor_step_ms": 1e3 * floor_s,
