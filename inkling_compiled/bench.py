@@ -36,10 +36,15 @@ def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 def bench_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
+    runs = iter(range(1, 1 << 20))
+
     def run() -> tuple[float, int, int, float]:
+        # Each run's prompts start with a token of their own: no run's prefill is a prefix-cache hit on
+        # another's, so the time to first token is a prefill's.
+        first = 3 + next(runs) % 200
         t_first = time.perf_counter()
         for p in prompts:
-            engine.add_request(p, params)
+            engine.add_request([first, *p[1:]], params)
         produced = {o.request_id: len(o.token_ids) for o in engine.step()}  # prefill + first tokens, apart
         while (now := engine.snapshot())["waiting"] or now["prefilling"]:  # a prefill over several steps too
             produced.update((o.request_id, len(o.token_ids)) for o in engine.step())

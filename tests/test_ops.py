@@ -91,7 +91,8 @@ def test_the_extension_folder_is_keyed_by_source_flags_torch_and_interpreter(mon
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_every_instruction_set_build_of_the_matmul_matches_f_linear(isa):
     """The loader picks the widest build this CPU runs; the others are forced here (and the row limit
-    raised so every row count takes the kernel), each against F.linear."""
+    raised so every row count takes the kernel), each against F.linear; the int8 kernels (their own row
+    limit) against the dequantized weights."""
     import os
     import subprocess
     import sys
@@ -128,6 +129,13 @@ def test_every_instruction_set_build_of_the_matmul_matches_f_linear(isa):
         "        x = torch.randn(rows, 130, generator=g)\n"
         "        got = torch.ops.inkling.linear_int8(x, w, s)\n"
         "        worst = max(worst, (got - x @ (w.float() * s[:, None]).t()).abs().max().item())\n"
+        "from inkling_compiled.custom_ops.moe import moe_experts_reference  # the int8 experts\n"
+        "gu, dn = (torch.randint(-127, 128, shape, generator=g, dtype=torch.int8) for shape in ((4, 40, 24), (4, 24, 20)))\n"
+        "gs, ds = torch.rand(4, 40, generator=g) / 100, torch.rand(4, 24, generator=g) / 100\n"
+        "x, ids, wts = torch.randn(5, 24, generator=g), torch.tensor([[0, 1], [1, 3], [2, 0], [3, 2], [0, 3]]), torch.rand(5, 2, generator=g)\n"
+        "got = torch.ops.inkling.moe_experts_int8(x, ids, wts, gu, gs, dn, ds)\n"
+        "want = moe_experts_reference(x, ids, wts, gu.float() * gs[..., None], dn.float() * ds[..., None])\n"
+        "worst = max(worst, (got - want).abs().max().item())\n"
         "print(cpu_isa(), worst)")
     env = {**os.environ, "INKLING_CPU_ISA": isa, "INKLING_FEW_ROWS": "64"}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)

@@ -897,6 +897,26 @@ INKLING_INLINE void axpy_outputs(const float* x, int64_t n, int64_t H, const T* 
 
 // y[n, O] (row stride O) = the terms h in [h0, h1) of x @ W^T, for outputs [o0, o1). W's layout
 // (w_h == 1) takes every term at once (h0 = 0, h1 = H).
+// out[r, c] (row stride cols) = q[r * stride + c] times row_scale[r], or col_scale[c]: a block of an
+// int8 weight dequantized for ATen's GEMM (linear_int8 past kMaxFewRowsInt8 rows).
+template <int W>
+INKLING_INLINE void widen_scaled_body(const int8_t* q, int64_t rows, int64_t cols, int64_t stride,
+                                      const float* row_scale, const float* col_scale, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* qr = q + r * stride;
+    float* o = out + r * cols;
+    int64_t c = 0;
+    if (row_scale) {
+      const float s = row_scale[r];
+      for (; c + W <= cols; c += W) storev<W>(o + c, loadw<W>(qr + c) * s);
+      for (; c < cols; ++c) o[c] = qr[c] * s;
+    } else {
+      for (; c + W <= cols; c += W) storev<W>(o + c, loadw<W>(qr + c) * loadv<W>(col_scale + c));
+      for (; c < cols; ++c) o[c] = qr[c] * col_scale[c];
+    }
+  }
+}
+
 template <int W, typename T>
 INKLING_INLINE void matmul_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
                                    int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
@@ -914,6 +934,10 @@ INKLING_INLINE void matmul_outputs(const float* x, int64_t n, int64_t H, const T
       const float* x, int64_t n, int64_t H, const int8_t* w, int64_t O, int64_t w_o, int64_t w_h, int64_t o0,   \
       int64_t o1, int64_t h0, int64_t h1, float* y) {                                                           \
     matmul_outputs<width>(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, y);                                          \
+  }                                                                                                            \
+  __attribute__((target(features))) void widen_scaled_##isa_name(const int8_t* q, int64_t rows, int64_t cols,   \
+      int64_t stride, const float* row_scale, const float* col_scale, float* out) {                            \
+    widen_scaled_body<width>(q, rows, cols, stride, row_scale, col_scale, out);                                \
   }
 INKLING_MATMUL_FOR(avx512, "avx512f,avx512vl,avx2,fma", 16)
 INKLING_MATMUL_FOR(avx2, "avx2,fma", 8)
@@ -1274,6 +1298,11 @@ void matmul_q8_outputs_portable(const float* x, int64_t n, int64_t H, const int8
                                 int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
   portable_outputs(x, n, H, w, O, w_o, w_h, o0, o1, h0, h1, y);
 }
+void widen_scaled_portable(const int8_t* q, int64_t rows, int64_t cols, int64_t stride, const float* row_scale,
+                           const float* col_scale, float* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = q[r * stride + c] * (row_scale ? row_scale[r] : col_scale[c]);
+}
 
 using MatmulKernel = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
                               int64_t, int64_t, int64_t, float*);
@@ -1290,6 +1319,7 @@ struct MatmulChoice {
   void (*silu_mul)(const float*, int64_t, int64_t, float*);
   void (*tile_scores)(const float*, int64_t, const float*, int64_t, int64_t, float, float*);  // AVX-512 only
   void (*tile_softmax_values)(float*, int64_t, const float*, int64_t, int64_t, float*);
+  void (*widen_scaled)(const int8_t*, int64_t, int64_t, int64_t, const float*, const float*, float*);
 };
 
 MatmulChoice choose_matmul() {
@@ -1301,12 +1331,12 @@ MatmulChoice choose_matmul() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if ((want.empty() || want == "avx512") && avx512)
     return {"avx512", matmul_outputs_avx512, matmul_q8_outputs_avx512, group_dots_avx512, group_values_avx512, softmax_rows_avx512,
-          silu_mul_avx512, tile_scores_avx512, tile_softmax_values_avx512};
+          silu_mul_avx512, tile_scores_avx512, tile_softmax_values_avx512, widen_scaled_avx512};
   if ((want.empty() || want == "avx512" || want == "avx2") && avx2)
     return {"avx2", matmul_outputs_avx2, matmul_q8_outputs_avx2, group_dots_avx2, group_values_avx2, softmax_rows_avx2,
-          silu_mul_avx2, nullptr, nullptr};
+          silu_mul_avx2, nullptr, nullptr, widen_scaled_avx2};
   return {"portable", matmul_outputs_portable, matmul_q8_outputs_portable, group_dots_portable, group_values_portable, softmax_rows_portable,
-          silu_mul_portable, nullptr, nullptr};
+          silu_mul_portable, nullptr, nullptr, widen_scaled_portable};
 }
 
 const MatmulChoice& matmul_choice() {
@@ -1558,6 +1588,36 @@ void check_int8_weight(const char* op, const at::Tensor& q, const at::Tensor& sc
               op, ": one contiguous fp32 scale per weight row expected, got ", scale.sizes(), " for ", q.sizes());
 }
 
+// y[n, O] (row stride y_stride) = x[n, H] @ (q * scale)^T for fp32 x, many rows: the weight is dequantized
+// a block of outputs at a time into a cache-resident buffer, each block multiplied by ATen's GEMM as it
+// comes. A whole dequantized copy would be written to memory and read back by every call, which costs
+// a prefill chunk more than the GEMMs (q either layout: [O, H] with stride(1) == 1, or W^T's).
+void int8_gemm(const float* x, int64_t n, int64_t H, const at::Tensor& q, const float* scale, float* y,
+               int64_t y_stride) {
+  const int64_t O = q.size(0);
+  const bool column_major = q.stride(1) != 1;
+  const int64_t block = std::max<int64_t>(16, std::min<int64_t>(O, (256 << 10) / std::max<int64_t>(1, H)) / 16 * 16);
+  thread_local FloatScratch buffer, product;
+  float* wb = buffer.hold(block * H);
+  float* yb = product.hold(n * block);
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  const auto xt = at::from_blob(const_cast<float*>(x), {n, H}, opts);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  for (int64_t o0 = 0; o0 < O; o0 += block) {
+    const int64_t width = std::min(block, O - o0);
+    auto yt = at::from_blob(yb, {n, width}, opts);
+    if (column_major) {  // W^T rows h, columns [o0, o0 + width): a [H, width] block, each column its scale
+      matmul_choice().widen_scaled(qp + o0, H, width, q.stride(1), nullptr, scale + o0, wb);
+      at::mm_out(yt, xt, at::from_blob(wb, {H, width}, opts));
+    } else {  // rows [o0, o0 + width) of W, each its scale
+      matmul_choice().widen_scaled(qp + o0 * q.stride(0), width, H, q.stride(0), scale + o0, nullptr, wb);
+      at::mm_out(yt, xt, at::from_blob(wb, {width, H}, opts).t());
+    }
+    for (int64_t r = 0; r < n; ++r) std::memcpy(y + r * y_stride + o0, yb + r * width, width * sizeof(float));
+  }
+  if (static_cast<size_t>(n * block) > kKeepScratchFloats) product.release();
+}
+
 // Routed experts: tokens grouped by expert (stable), each chosen expert's weights read once. Experts
 // whose rows the measured choice gives to the kernel above run on it, split over the intra-op pool by
 // (expert, output range); the others go through ATen's GEMM (prefill). Each token's output sums its
@@ -1668,9 +1728,17 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
     const int64_t n = first[e + 1] - first[e];
     if (n == 0 || ours[e]) continue;
     auto ye = at::from_blob(ys + first[e] * H, {n, H}, x.options());
-    const auto g = at::linear(at::from_blob(xs + first[e] * H, {n, H}, x.options()),
-                              expert_weight(gate_up, gate_up_scale, e));
-    at::mm_out(ye, at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), expert_weight(down, down_scale, e).t());
+    const auto xe = at::from_blob(xs + first[e] * H, {n, H}, x.options());
+    if (quantized) {  // blocks of each bank dequantized as the GEMM goes (int8_gemm)
+      auto g = at::empty({n, 2 * I}, x.options());
+      int8_gemm(xs + first[e] * H, n, H, gate_up[e], gate_up_scale->data_ptr<float>() + e * 2 * I,
+                g.data_ptr<float>(), 2 * I);
+      const auto a = (at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I)).contiguous();
+      int8_gemm(a.data_ptr<float>(), n, I, down[e], down_scale->data_ptr<float>() + e * H, ys + first[e] * H, H);
+      continue;
+    }
+    const auto g = at::linear(xe, gate_up[e]);
+    at::mm_out(ye, at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), down[e].t());
   }
   // Each token adds its experts' rows, weighted, in expert order.
   auto& token_pairs = buffers.token_pairs;
@@ -1738,13 +1806,16 @@ at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& weight, const a
   const int64_t n = H ? x_in.numel() / H : 0;
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == H, "linear_int8: weight [O, ", H, "] expected");
   check_int8_weight("linear_int8", weight, scale);
-  const bool few = x_in.scalar_type() == at::kFloat && (weight.stride(1) == 1 || weight.stride(0) == 1) &&
-                   n >= 1 && n <= kMaxFewRowsInt8;
-  if (!few) return at::linear(x_in, dequantized(weight, scale, x_in.scalar_type()));
+  const bool fp32 = x_in.scalar_type() == at::kFloat && (weight.stride(1) == 1 || weight.stride(0) == 1);
+  if (!fp32 || n == 0) return at::linear(x_in, dequantized(weight, scale, x_in.scalar_type()));
   const auto x = x_in.contiguous();
   auto sizes = x_in.sizes().vec();
   sizes.back() = O;
   auto y = at::empty(sizes, x.options());
+  if (n > kMaxFewRowsInt8) {
+    int8_gemm(x.data_ptr<float>(), n, H, weight, scale.data_ptr<float>(), y.data_ptr<float>(), O);
+    return y;
+  }
   std::vector<SplitMatmul> one{SplitMatmul(x.data_ptr<float>(), n, H, weight.data_ptr<int8_t>(),
                                            scale.data_ptr<float>(), O, weight.stride(0), weight.stride(1),
                                            y.data_ptr<float>())};
