@@ -360,10 +360,11 @@ def _preview(items: list[str], limit: int = 12) -> str:
 # ---- writing an int8 copy (`inkling-compiled quantize`) -----------------------------------------
 
 def write_quantized(src: str | Path, dst: str | Path) -> dict[str, int]:
-    """Writes `src` (a transformers-layout checkpoint folder) quantized into `dst`: the tensors above as
-    int8 plus their scales, everything else as stored, one tensor in memory at a time; config.json gains
-    the `quantization_config` block and the other files (tokenizer, chat template, ...) are copied.
-    Returns the bytes of the tensors before and after."""
+    """Writes `src` (a transformers-layout checkpoint folder) quantized into `dst`: each matmul weight as
+    int8 plus its scales (`quantize.py`), everything else as stored; config.json gains the
+    `quantization_config` block and the other files (tokenizer, chat template, ...) are copied. Source
+    tensors are read one at a time; what is written (int8 for the bulk of the bytes) is held until the
+    one file is saved. Returns the bytes of the tensors before and after."""
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
