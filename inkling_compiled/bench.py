@@ -8,6 +8,7 @@ here asserts a speed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -36,12 +37,12 @@ def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 def bench_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
-    runs = iter(range(1, 1 << 20))
+    run_index = itertools.count(1)
 
     def run() -> tuple[float, int, int, float]:
         # Each run's prompts start with a token of their own: no run's prefill is a prefix-cache hit on
         # another's, so the time to first token is a prefill's.
-        first = 3 + next(runs) % 200
+        first = 3 + next(run_index) % 200
         t_first = time.perf_counter()
         for p in prompts:
             engine.add_request([first, *p[1:]], params)
@@ -117,7 +118,7 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
                                                    prefill_chunk_tokens=max(batches) * prompt_len, progress=False,
                                                    quantization=quantization or "none")
                 if kind == "compiled":
-                    results.setdefault("compile_s", {})[key if quantization else name] = \
+                    results.setdefault("compile_s", {})[f"{name} {quantization}" if quantization else name] = \
                         ours[key].worker.decoder.compile_seconds
             hf = None
             if "transformers" in engines:

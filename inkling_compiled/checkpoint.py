@@ -338,6 +338,9 @@ def read_text_tensors(path: str | Path, config: InklingConfig, convert: Callable
             parts.append(f"wrong shape for {len(bad_shape)} tensor(s): {_preview(bad_shape)}")
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} tensor(s): {_preview(sorted(unexpected))}")
+            if not int8 and all(name.endswith(SCALE_SUFFIX) for name in unexpected):
+                parts.append("these look like int8 scales, but config.json has no quantization_config "
+                             "(an int8 checkpoint is written by `inkling-compiled quantize`)")
         raise CheckpointError(f"checkpoint {path} does not match its config: " + "; ".join(parts))
     report = None
     if skipped:
@@ -368,10 +371,13 @@ def write_quantized(src: str | Path, dst: str | Path) -> dict[str, int]:
     from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
+    InklingConfig.from_file(src)  # a missing or broken config.json is found before anything is read
     if checkpoint_scheme(src) is not None:
         raise CheckpointError(f"{src} is already quantized")
     if dst.resolve() == src.resolve():
         raise OptionError("the output folder must differ from the input folder")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise OptionError(f"{dst} exists and is not an empty folder: quantize writes a new one")
     files = checkpoint_files(src)
     out: dict[str, torch.Tensor] = {}
     before = 0
@@ -382,7 +388,8 @@ def write_quantized(src: str | Path, dst: str | Path) -> dict[str, int]:
         if name.startswith(("model.llm.", "model.language_model.llm.")):
             raise CheckpointError(f"{src} is in the original ('model.llm.') layout: load it and save it in "
                                   "transformers names first; quantize reads transformers names only")
-        if is_matmul_weight(hf, tuple(t.shape)):
+        other_tower = any(hf.startswith(p) for p, kind in OTHER_TOWERS.items() if kind != "mtp")
+        if is_matmul_weight(hf, tuple(t.shape)) and not other_tower:  # vision and audio towers: as stored
             if not bool(torch.isfinite(t).all()):
                 raise CheckpointError(f"{src}: non-finite values (NaN or inf) in {name}: nothing to quantize")
             q, scale = quantize_rows(t)
@@ -391,13 +398,22 @@ def write_quantized(src: str | Path, dst: str | Path) -> dict[str, int]:
             out[name] = t.contiguous()
         del t
     after = sum(t.numel() * t.element_size() for t in out.values())
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt", "quantization": METHOD})
+    # Written into a folder of its own, then renamed: a failure leaves no half-written checkpoint.
+    scratch = dst.with_name(f".{dst.name}.partial")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    save_file(out, str(scratch / "model.safetensors"), metadata={"format": "pt", "quantization": METHOD})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = SCHEME
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (scratch / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for f in src.iterdir():
-        if f.is_file() and f.name not in ("config.json", "model.safetensors", "model.safetensors.index.json") \
-                and f not in files:
-            shutil.copy2(f, dst / f.name)
+        if f.name in ("config.json", "model.safetensors", "model.safetensors.index.json") or f in files:
+            continue
+        if f.is_file():
+            shutil.copy2(f, scratch / f.name)
+        elif f.is_dir():
+            shutil.copytree(f, scratch / f.name)
+    if dst.exists():
+        dst.rmdir()  # empty (checked above)
+    scratch.rename(dst)
     return {"bytes_before": before, "bytes_after": after}

@@ -200,6 +200,10 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench import compile_times, engine_names, markdown_table, plot, quantization_table, run_bench
 
+    if args.quantization and (args.speculative or args.tensor_parallel_size):
+        print("error: --quantization runs with the decode benchmark, not with --speculative or "
+              "--tensor-parallel-size", file=sys.stderr)
+        return 2
     if args.speculative:
         return _bench_speculative(args)
     if args.tensor_parallel_size:

@@ -108,7 +108,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
             return torch.empty(t.shape, dtype=torch.int8, device=device).copy_(t)
         q, scale = quantize_rows(t)
         if not bool(torch.isfinite(scale).all()):
-            non_finite.append(name)
+            bad_int8.append(f"{name} (non-finite values, NaN or inf: nothing to quantize)")
         scales[name + SCALE_SUFFIX] = scale.to(device)
         return q.to(device)
 
@@ -117,6 +117,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
             t = t[:rows]
         if int8 and (is_weight_scale(name) or is_matmul_weight(name, t.shape)):
             return convert_int8(name, t)
+        if not t.is_floating_point() and is_matmul_weight(name, t.shape):
+            bad_int8.append(f"{name} (stored as {str(t.dtype).removeprefix('torch.')}, but config.json has no "
+                            "quantization_config: an int8 checkpoint is written by `inkling-compiled quantize`)")
         # Always a fresh, allocator-aligned tensor: safetensors hands out views into the mmap at
         # arbitrary alignment, and SIMD kernels round differently on differently aligned data.
         out_dtype = torch.float32 if keeps_fp32(name) else dtype
@@ -129,7 +132,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
 
     def convert_checked(name: str, t: torch.Tensor) -> torch.Tensor:
         out = convert(name, t)
-        if check_finite and not bool(torch.isfinite(out).all()):
+        # (int8 scales are checked whatever check_finite says: one that is not finite cannot be used)
+        if check_finite and not is_weight_scale(name) and not bool(torch.isfinite(out).all()):
             non_finite.append(name)
         return out
 

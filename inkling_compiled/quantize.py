@@ -45,10 +45,10 @@ def is_weight_scale(name: str) -> bool:
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8, scale fp32 [..., rows]) of a weight [..., rows, in], by the rule above."""
-    w32 = w.float()
+    w32 = w.to(torch.float32, copy=True)  # the one wider copy: divided, rounded and clamped in place
     scale = w32.abs().amax(dim=-1) / 127
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(w32 / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    q = w32.div_(scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 
@@ -73,4 +73,8 @@ def checkpoint_scheme(path: str | Path) -> str | None:
         method = block.get("quant_method") if isinstance(block, dict) else block
         raise CheckpointError(f"{config}: quantization_config names {method!r}, which this engine does not read "
                               f"(it reads {METHOD!r} checkpoints, written by `inkling-compiled quantize`)")
+    differ = [f"{k}={block[k]!r}" for k in ("bits", "symmetric", "scale_suffix") if k in block and block[k] != SCHEME[k]]
+    if differ:
+        raise CheckpointError(f"{config}: an {METHOD!r} quantization_config with {', '.join(differ)}: this engine "
+                              f"reads bits=8, symmetric=True, scale_suffix={SCALE_SUFFIX!r} only")
     return "int8"

@@ -133,6 +133,16 @@ def test_moe_experts_int8_matches_a_plain_loop():
             assert (got - want).abs().max().item() < 1e-4, (tokens, column_major)
 
 
+def test_quantizing_leaves_the_source_tensor_as_it_was():
+    """quantize_rows divides and rounds in place on its one fp32 copy, never on an fp32 input itself."""
+    from inkling_compiled.quantize import quantize_rows
+
+    w = torch.randn(5, 7)
+    before = w.clone()
+    quantize_rows(w)
+    assert torch.equal(w, before)
+
+
 # ---- the engine against transformers ---------------------------------------------------------------
 
 def test_exactly_representable_weights_give_transformers_tokens_eager(exact):
@@ -223,13 +233,40 @@ SCALE = "model.layers.0.self_attn.q_proj.weight_scale"
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.pop(SCALE), r"missing 1 tensor\(s\): " + SCALE),
     (lambda t: t.update({SCALE: t[SCALE][:-1]}), r"wrong shape .*" + SCALE),
-    (lambda t: t[SCALE].__setitem__(0, float("nan")), r"non-finite values \(NaN or inf\) in " + SCALE),
+    (lambda t: t[SCALE].__setitem__(0, float("nan")), SCALE + r" \(scales must be positive and finite\)"),
     (lambda t: t[SCALE].__setitem__(3, 0.0), SCALE + r" \(scales must be positive and finite\)"),
     (lambda t: t.update({"lm_head.weight": t["lm_head.weight"].float()}), r"lm_head.weight \(stored as float32"),
 ], ids=["missing", "misshaped", "nan", "zero", "not-int8"])
 def test_a_bad_quantized_checkpoint_is_refused_by_name(quantized, tmp_path, edit, message):
     with pytest.raises(CheckpointError, match=message):
         load_model(_broken(quantized, tmp_path, edit))
+
+
+def test_int8_weights_without_their_config_block_are_refused_by_name(quantized, tmp_path):
+    """An int8 checkpoint whose config.json lost its quantization_config: never raw q taken as weights."""
+    config = json.loads((quantized / "config.json").read_text())
+    del config["quantization_config"]
+    with_scales = _broken(quantized, tmp_path, lambda t: None)
+    (with_scales / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="these look like int8 scales, but config.json has no quantization_config"):
+        load_model(with_scales)
+    scales = [n for n in load_file(str(quantized / "model.safetensors")) if n.endswith("_scale")
+              and not n.endswith("global_scale")]
+    shutil.rmtree(with_scales)
+    bare = _broken(quantized, tmp_path, lambda t: [t.pop(n) for n in scales])
+    (bare / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"q_proj.weight \(stored as int8, but config.json has no quantization_config"):
+        load_model(bare)
+
+
+def test_a_weight_int8_cannot_quantize_is_named_without_the_check_finite_hint(checkpoint, tmp_path):
+    def nan_row(tensors):
+        tensors["model.layers.0.self_attn.q_proj.weight"][2, 3] = float("nan")
+
+    broken = _broken(checkpoint("tiny"), tmp_path, nan_row)
+    with pytest.raises(CheckpointError, match=r"q_proj.weight \(non-finite values, NaN or inf: nothing to quantize\)") as e:
+        load_model(broken, quantization="int8", check_finite=False)
+    assert "check_finite" not in str(e.value)
 
 
 def test_quantization_options_are_checked(quantized, exact, tmp_path):
@@ -244,6 +281,10 @@ def test_quantization_options_are_checked(quantized, exact, tmp_path):
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="names 'gptq', which this engine does not read"):
         load_model(other)
+    config["quantization_config"] = {"quant_method": "inkling-int8", "bits": 4}
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="with bits=4: this engine reads bits=8"):
+        load_model(other)
 
 def test_quantize_refuses_what_it_cannot_quantize(quantized, checkpoint, tmp_path, capsys):
     assert cli_main(["quantize", str(quantized), str(tmp_path / "again")]) != 0
@@ -251,3 +292,13 @@ def test_quantize_refuses_what_it_cannot_quantize(quantized, checkpoint, tmp_pat
     assert cli_main(["quantize", str(checkpoint("tiny", layout="original")), str(tmp_path / "original")]) != 0
     assert "original ('model.llm.') layout" in capsys.readouterr().err
     assert not (tmp_path / "again").exists() and not (tmp_path / "original").exists()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "model.safetensors.index.json").write_text("{}")  # a stale index the loader would prefer
+    assert cli_main(["quantize", str(checkpoint("tiny")), str(taken)]) != 0
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    no_config = tmp_path / "no-config"
+    shutil.copytree(checkpoint("tiny"), no_config)
+    (no_config / "config.json").unlink()
+    assert cli_main(["quantize", str(no_config), str(tmp_path / "out")]) != 0
+    assert "no config.json" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -1728,7 +1728,6 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
     const int64_t n = first[e + 1] - first[e];
     if (n == 0 || ours[e]) continue;
     auto ye = at::from_blob(ys + first[e] * H, {n, H}, x.options());
-    const auto xe = at::from_blob(xs + first[e] * H, {n, H}, x.options());
     if (quantized) {  // blocks of each bank dequantized as the GEMM goes (int8_gemm)
       auto g = at::empty({n, 2 * I}, x.options());
       int8_gemm(xs + first[e] * H, n, H, gate_up[e], gate_up_scale->data_ptr<float>() + e * 2 * I,
@@ -1737,7 +1736,7 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
       int8_gemm(a.data_ptr<float>(), n, I, down[e], down_scale->data_ptr<float>() + e * H, ys + first[e] * H, H);
       continue;
     }
-    const auto g = at::linear(xe, gate_up[e]);
+    const auto g = at::linear(at::from_blob(xs + first[e] * H, {n, H}, x.options()), gate_up[e]);
     at::mm_out(ye, at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), down[e].t());
   }
   // Each token adds its experts' rows, weighted, in expert order.
@@ -1799,8 +1798,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& weight) {
 }
 
 // y = x @ (q * scale)^T for an int8 weight q [O, H] with one scale per output: fp32 rows up to
-// kMaxFewRowsInt8 through the kernel above, which reads q as it is; more rows (prefill) dequantize q once
-// and go to ATen's GEMM, whose time grows with the rows while the copy's does not.
+// kMaxFewRowsInt8 through the kernel above, which reads q as it is; more rows (prefill) through
+// int8_gemm, q dequantized a block at a time for ATen's GEMM. Other dtypes (bf16) take a whole
+// dequantized copy per call: correct, not fast.
 at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scale) {
   const int64_t H = x_in.size(-1), O = weight.size(0);
   const int64_t n = H ? x_in.numel() / H : 0;

@@ -22,11 +22,11 @@ def _linear_int8_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, sx, sw_n, sw_k, sy,
                         UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pm, pn = tl.program_id(0), tl.program_id(1)
     m = (pm * BM + tl.arange(0, BM)).to(tl.int64)
-    n = pn * BN + tl.arange(0, BN)
+    n = (pn * BN + tl.arange(0, BN)).to(tl.int64)  # offsets past 2**31 elements: a vocabulary-wide lm_head
     mm, nm = m < M, n < N
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
+        kk = (k0 + tl.arange(0, BK)).to(tl.int64)
         km = kk < K
         xa = tl.load(x_ptr + m[:, None] * sx + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         w = tl.load(w_ptr + n[None, :] * sw_n + kk[:, None] * sw_k, mask=nm[None, :] & km[:, None], other=0)
