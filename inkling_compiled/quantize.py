@@ -3,7 +3,7 @@
 Every projection, routed and shared expert bank and the lm_head is stored as int8 values q with one
 fp32 scale per output row (symmetric): scale = max |w| / 127 over the row, q = round(w / scale) with
 ties to even, so that w ~ q * scale and the row's largest magnitude lands on +-127. Norms, conv taps,
-the router, embeddings and biases keep the checkpoint's dtype. An all-zero row (a padded vocabulary
+the router, embeddings and biases load as they would without int8 (the engine's dtype). An all-zero row (a padded vocabulary
 row) gets scale 1: its q is zero whatever the scale, and a zero scale is what a broken checkpoint has.
 
 A quantized checkpoint (`inkling-compiled quantize IN OUT`, `checkpoint.write_quantized`) stores each
@@ -22,10 +22,10 @@ import torch
 from .errors import CheckpointError, OptionError
 
 METHOD = "inkling-int8"
-SCHEME = {"quant_method": METHOD, "bits": 8, "symmetric": True, "granularity": "per output row",
-          "rounding": "half to even", "scale_suffix": "_scale",
-          "quantized": "projections, routed and shared experts, lm_head (the weights x @ W^T reads)"}
 SCALE_SUFFIX = "_scale"
+SCHEME = {"quant_method": METHOD, "bits": 8, "symmetric": True, "granularity": "per output row",
+          "rounding": "half to even", "scale_suffix": SCALE_SUFFIX,
+          "quantized": "projections, routed and shared experts, lm_head (the weights x @ W^T reads)"}
 CHOICES = ("none", "int8")
 
 

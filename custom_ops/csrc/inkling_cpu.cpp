@@ -1506,7 +1506,7 @@ bool fp32_tiles_built() { return matmul_choice().tile_scores != nullptr; }
 constexpr int64_t kMaxFewRows = 64;
 constexpr int64_t kDefaultFewRows = 16;
 // int8 weights: this kernel up to this many rows; past it the FMAs, not the weight's bytes, set the
-// time, and a dequantized copy through ATen's GEMM is faster (tools/bench_matmul.py --int8).
+// time, and int8_gemm (blocks dequantized for ATen's GEMM) is faster (tools/bench_matmul.py --int8).
 constexpr int64_t kMaxFewRowsInt8 = 32;
 
 struct ShapeKey {
@@ -1622,7 +1622,8 @@ void int8_gemm(const float* x, int64_t n, int64_t H, const at::Tensor& q, const 
 // whose rows the measured choice gives to the kernel above run on it, split over the intra-op pool by
 // (expert, output range); the others go through ATen's GEMM (prefill). Each token's output sums its
 // experts' contributions in expert order: the same result at any thread count. With scales the banks
-// are int8 (moe_experts_int8): the kernel above reads them as they are, ATen gets dequantized copies.
+// are int8 (moe_experts_int8): the kernel above reads them as they are, the busy experts go through
+// int8_gemm, and other activation dtypes get dequantized copies.
 at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::Tensor& weights,
                             const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor* gate_up_scale,
                             const at::Tensor* down_scale) {
@@ -1687,7 +1688,7 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
   ours.assign(E, 0);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = first[e + 1] - first[e];
-    // int8 banks: this kernel at any few-row count (ATen would first need a dequantized copy).
+    // int8 banks: this kernel up to kMaxFewRowsInt8 rows, whatever the fp32 choice says.
     ours[e] = n > 0 && (quantized ? n <= kMaxFewRowsInt8
                                   : few_rows_serves(2 * I, H, gu_cm, n) && few_rows_serves(H, I, down_cm, n));
   }
@@ -1727,7 +1728,6 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
   for (int64_t e = 0; e < E; ++e) {  // the busy experts: ATen's GEMM, itself on the intra-op pool
     const int64_t n = first[e + 1] - first[e];
     if (n == 0 || ours[e]) continue;
-    auto ye = at::from_blob(ys + first[e] * H, {n, H}, x.options());
     if (quantized) {  // blocks of each bank dequantized as the GEMM goes (int8_gemm)
       auto g = at::empty({n, 2 * I}, x.options());
       int8_gemm(xs + first[e] * H, n, H, gate_up[e], gate_up_scale->data_ptr<float>() + e * 2 * I,
@@ -1736,6 +1736,7 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
       int8_gemm(a.data_ptr<float>(), n, I, down[e], down_scale->data_ptr<float>() + e * H, ys + first[e] * H, H);
       continue;
     }
+    auto ye = at::from_blob(ys + first[e] * H, {n, H}, x.options());
     const auto g = at::linear(at::from_blob(xs + first[e] * H, {n, H}, x.options()), gate_up[e]);
     at::mm_out(ye, at::silu(g.narrow(1, 0, I)) * g.narrow(1, I, I), down[e].t());
   }
