@@ -1,5 +1,7 @@
 """Attention ops. Decode: over a paged KV cache (global layers) and over each slot's ring (sliding
-layers). Prefill: packed chunks, each over its sequence's keys (`extend_attention`).
+layers). Prefill: packed chunks, each over its sequence's keys (`extend_attention`), or over its cached
+history and its own keys, which it then writes (`cached_extend_attention`, what a compiled extend step
+calls: the history's length is the cache's business, not the graph's).
 
 Opaque ops so that the compiled step keeps one static shape while the kernel reads only the keys its
 rows need. The paged reference looks at `seq_lens` on the host to read just the pages the longest row
@@ -14,8 +16,9 @@ from typing import Optional
 import torch
 
 from inkling_compiled.attention import attend, attend_packed, attend_ring
-from inkling_compiled.kv_layout import page_location, pages_for
+from inkling_compiled.kv_layout import page_location, pages_for, ring_location
 
+from .kv import kv_write_reference
 from .library import define, gpu_kernel
 
 
@@ -74,6 +77,67 @@ extend_attention = define(
     "Tensor key_start_loc, int window, int rel_extent) -> Tensor",
     fake=lambda q, *args: torch.empty_like(q), reference=extend_attention_reference,
     cuda=gpu_kernel("extend", "extend_attention"))
+
+
+def chunk_keys(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               query_start_loc: torch.Tensor, positions: torch.Tensor, cache_indices: torch.Tensor,
+               block_table: torch.Tensor, page_size: int, ring_size: int, window: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys, values, key_start_loc) as `extend_attention` takes them: each row's history as the cache
+    holds it before the chunk is written (every earlier position of a global layer, the last window-1 of
+    a sliding layer's ring when `window` > 0), then the chunk's own keys."""
+    qs = query_start_loc.long()
+    T, rows = k.shape[0], qs.shape[0] - 1
+    lens = qs[1:] - qs[:-1]
+    firsts = torch.where(lens > 0, positions[qs[:-1].clamp(max=max(T - 1, 0))], 0) if T else lens
+    history = firsts.clamp(max=window - 1) if window > 0 else firsts
+    per_row = history + lens
+    key_start_loc = torch.zeros(rows + 1, dtype=torch.long, device=k.device)
+    torch.cumsum(per_row, 0, out=key_start_loc[1:])
+    row = torch.repeat_interleave(torch.arange(rows, device=k.device), per_row)  # [S]: each key's row
+    offset = torch.arange(row.shape[0], device=k.device) - key_start_loc[row]
+    cached = offset < history[row]
+    pos = firsts[row] - history[row] + offset  # each key's position in its sequence
+    slot = cache_indices.long()[row]
+    loc = ring_location(slot, pos, ring_size) if window > 0 else page_location(block_table, slot, pos, page_size).long()
+    at_cache = torch.where(cached, loc, 0)
+    at_chunk = torch.where(cached, 0, qs[:-1][row] + offset - history[row]).clamp(max=max(T - 1, 0))
+    keep = cached[:, None, None]
+    if T == 0:
+        return k_cache[at_cache], v_cache[at_cache], key_start_loc
+    return (torch.where(keep, k_cache[at_cache], k[at_chunk]), torch.where(keep, v_cache[at_cache], v[at_chunk]),
+            key_start_loc)
+
+
+def cached_extend_attention_reference(q, k, v, k_cache, v_cache, table, tau, query_start_loc, positions,
+                                      cache_indices, kv_locations, block_table, page_size: int, ring_size: int,
+                                      window: int, rel_extent: int, attend=None, write=None) -> torch.Tensor:
+    """Packed prefill chunks over the caches: q [T, nh, hd], k/v [T, nkv, hd] the chunks' own keys,
+    table [T, nh, E], tau [T] or None; positions [T] each token's position in its sequence, whose first
+    positions[query_start_loc[b]] tokens are cached (a global layer's pages through `block_table`, or a
+    sliding layer's ring of `ring_size` entries per slot when `window` > 0). Each row's history is read
+    before its chunk's keys are written (at `kv_locations`, as `kv_write` does: a ring may reuse an entry
+    the chunk's first queries still read); then it attends as `extend_attention` does. `attend` and
+    `write`: the kernels that do those two parts (the references by default)."""
+    keys, values, key_start_loc = chunk_keys(k, v, k_cache, v_cache, query_start_loc, positions, cache_indices,
+                                             block_table, page_size, ring_size, window)
+    (write or kv_write_reference)(k_cache, v_cache, k, v, kv_locations)
+    return (attend or extend_attention_reference)(q, keys, values, table, tau, query_start_loc, key_start_loc,
+                                                  window, rel_extent)
+
+
+def cached_extend_attention_cpu(*args) -> torch.Tensor:
+    """The reference's gather, with the C++ (or whichever CPU) kernels of `kv_write` and `extend_attention`."""
+    return cached_extend_attention_reference(*args, attend=torch.ops.inkling.extend_attention.default,
+                                             write=torch.ops.inkling.kv_write.default)
+
+
+cached_extend_attention = define(
+    "cached_extend_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor table, "
+    "Tensor? tau, Tensor query_start_loc, Tensor positions, Tensor cache_indices, Tensor kv_locations, "
+    "Tensor block_table, int page_size, int ring_size, int window, int rel_extent) -> Tensor",
+    fake=lambda q, *args: torch.empty_like(q), reference=cached_extend_attention_reference,
+    cpu=cached_extend_attention_cpu, cuda=gpu_kernel("extend", "cached_extend_attention"))
 
 
 ring_attention = define(

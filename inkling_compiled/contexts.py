@@ -146,35 +146,32 @@ class PoolContext:
                                                  slots, seq_lens, self.pool.page_size, g.rel_extent)
 
     def prefill_attention(self, layer_id: int, g: LayerGeometry, q, k, v, table, k_cache, v_cache) -> torch.Tensor:
-        """Eager prefill only (never traced: the host-sync scan knows it as such). Each row is a chunk of
-        its prompt: it attends to the keys cached before it (every earlier position on a global layer,
-        the last W-1 on a sliding one) and causally to its own. The cached keys are read before this
-        chunk's are written: a sliding layer's ring may overwrite them. One `extend_attention` call serves
-        every row: its C++ and Triton kernels' memory is linear in the chunk, its reference's chunk x
-        (history + chunk) per row, never the whole prompt squared."""
+        """Each row is a chunk of its prompt: it attends to the keys cached before it (every earlier position
+        on a global layer, the last W-1 on a sliding one) and causally to its own, which are then written.
+        One `cached_extend_attention` call serves every row and reads each row's history from the cache
+        itself, so nothing here looks at the data (a compiled extend step traces this); its kernels' memory
+        is linear in the chunk plus the history read. The prefix-cache checkpoints of a sliding layer's ring
+        are taken first, eagerly, from the ring as it is before the chunk's keys go in."""
+        md = self.metadata
+        if self.checkpoints and g.sliding:
+            self._checkpoint_rings(layer_id, g, k, v, k_cache, v_cache)
+        tau = self.config.log_scale(md.positions) if g.log_scaling else None
+        return torch.ops.inkling.cached_extend_attention(
+            q, k, v, k_cache, v_cache, table, tau, md.query_start_loc, md.positions, md.cache_indices,
+            md.sliding_kv_loc if g.sliding else md.global_kv_loc, self.pool.block_table, self.pool.page_size,
+            self.pool.ring_size, g.window or 0, g.rel_extent)
+
+    def _checkpoint_rings(self, layer_id: int, g: LayerGeometry, k, v, k_cache, v_cache) -> None:
+        """Eager prefill only: the ring checkpoints of the rows that take one, out of each row's history (read
+        before its chunk's keys are written) and its chunk's own keys."""
         md = self.metadata
         qsl = md.query_start_loc.tolist()
-        spans = list(zip(qsl[:-1], qsl[1:]))
-        if not spans:
-            return q.new_empty(q.shape)
-        firsts = md.positions[qsl[:-1]].tolist()
-        slots = md.cache_indices.tolist()
-        history = [self._cached_keys(g, k_cache, v_cache, slot, first) for slot, first in zip(slots, firsts)]
-        torch.ops.inkling.kv_write(k_cache, v_cache, k, v, md.sliding_kv_loc if g.sliding else md.global_kv_loc)
-        keys, values, key_starts = [], [], [0]  # each row's history, then its chunk's own keys
-        for (start, end), (hk, hv, hpos) in zip(spans, history):
-            keys += [hk, k[start:end]]
-            values += [hv, v[start:end]]
-            key_starts.append(key_starts[-1] + len(hpos) + end - start)
-        keys, values = torch.cat(keys), torch.cat(values)
-        if g.sliding:
-            for row, (first, (_, _, hpos)) in enumerate(zip(firsts, history)):
-                rows_keys = slice(key_starts[row], key_starts[row + 1])
-                self._checkpoint_ring(layer_id, row, keys[rows_keys], values[rows_keys], first - len(hpos))
-        tau = self.config.log_scale(md.positions[qsl[0]:qsl[-1]]) if g.log_scaling else None
-        return torch.ops.inkling.extend_attention(q, keys, values, table, tau, md.query_start_loc[:len(qsl)],
-                                                  torch.tensor(key_starts, device=q.device), g.window or 0,
-                                                  g.rel_extent)
+        for row in sorted({c.row for c in self.checkpoints}):
+            start, end = qsl[row], qsl[row + 1]
+            first, slot = int(md.positions[start]), int(md.cache_indices[row])
+            hk, hv, hpos = self._cached_keys(g, k_cache, v_cache, slot, first)
+            self._checkpoint_ring(layer_id, row, torch.cat([hk, k[start:end]]), torch.cat([hv, v[start:end]]),
+                                  first - len(hpos))
 
     def _checkpoint_ring(self, layer_id: int, row: int, keys, values, first_key: int) -> None:
         """This row's checkpoints of a sliding layer's ring (laid out as a slot's ring, R entries): entry

@@ -40,7 +40,7 @@ def test_each_kind_of_sync_is_caught_where_it_is_traced():
         "def host_side(x):\n"
         "    return x.tolist()\n"
         "class PoolContext:\n"
-        "    def prefill_attention(self, md):\n"
+        "    def _checkpoint_rings(self, md):\n"
         "        return md.query_start_loc.tolist()\n"
         "def kernel(x):\n"
         "    return x.nonzero()\n"

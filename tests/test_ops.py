@@ -13,6 +13,8 @@ from inkling_compiled.custom_ops.kv import kv_write_reference
 from inkling_compiled.custom_ops.moe import moe_experts_reference
 from inkling_compiled.custom_ops.sconv import sconv_decode_reference, sconv_extend_reference
 
+from cached_chunks import cached_chunk_case
+
 # Each kernel test runs on the dispatched op (the C++ kernel on CPU when it built) and on the
 # plain-torch reference kernel.
 IMPLS = {
@@ -507,3 +509,35 @@ def test_extend_attention_refuses_start_locations_that_do_not_fit():
         torch.ops.inkling.extend_attention(q, k, v, table, tau, torch.tensor([0, 6, 8]), torch.tensor([0, 4, 10]), 0, 20)
     with pytest.raises(RuntimeError, match="cover q and k"):
         torch.ops.inkling.extend_attention(q, k, v, table, tau, qsl, torch.tensor([0, 4, 9]), 0, 20)
+
+
+@pytest.mark.parametrize("kernel", ["op", "reference"])
+@pytest.mark.parametrize("window, ring_size", [(0, 0), (8, 8), (8, 11)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_extend_attention_reads_the_history_the_cache_holds(kernel, window, ring_size, dtype):
+    """Chunks of 1 to 30 tokens over histories of 0 to 40 keys (crossing pages, the window and the
+    relative extent), GQA 1 to 4, paged (a shuffled block table) and in rings of the window or more:
+    the same as `extend_attention` over the same sequences given as packed keys, though every cache
+    entry outside the rows' histories is NaN (so none is read), and the chunks' keys are written where
+    `kv_write` would put them afterwards."""
+    g = torch.Generator().manual_seed(31 + window + ring_size)
+    op = torch.ops.inkling.cached_extend_attention if kernel == "op" else KERNELS["cached_extend_attention"]["reference"]
+    for nkv, group in [(1, 1), (2, 2), (1, 4)]:
+        case = cached_chunk_case(g, [3, 1, 30, 9], [0, 5, 40, 17], nkv, group, 16, window=window,
+                                 ring_size=ring_size, dtype=dtype)
+        got = op(*case["args"])
+        want = KERNELS["extend_attention"]["reference"](*case["packed"])
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        k_cache, v_cache, loc = case["args"][3], case["args"][4], case["locations"]
+        kept = loc >= 0
+        assert torch.equal(k_cache[loc[kept]], case["k"][kept]) and torch.equal(v_cache[loc[kept]], case["v"][kept])
+        if window:
+            assert not kept.all()  # the long chunk pushes its first keys out of the ring
+
+
+def test_cached_extend_attention_opcheck():
+    g = torch.Generator().manual_seed(5)
+    for window in (0, 8):
+        torch.library.opcheck(torch.ops.inkling.cached_extend_attention.default,
+                              cached_chunk_case(g, [3, 6], [4, 9], 2, 2, 8, window=window)["args"])

@@ -24,6 +24,8 @@ from inkling_compiled.custom_ops import KERNELS
 from inkling_compiled.custom_ops.attention import extend_attention_reference, paged_attention_reference
 from inkling_compiled.custom_ops.moe import moe_experts_reference
 
+from cached_chunks import cached_chunk_case
+
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA = {name: kernels["CUDA"] for name, kernels in KERNELS.items()}
@@ -190,6 +192,26 @@ def test_extend_attention(dtype, window):
         t[:seen_from], t[k1:] = float("nan"), float("nan")
     again = CUDA["extend_attention"](args[0], k, v, *args[3:], window, 20)
     assert torch.equal(again[q0:q1], got[q0:q1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, ring_size", [(0, 0), (8, 11)])
+def test_cached_extend_attention(dtype, window, ring_size):
+    """Each row's history read in the kernel through a shuffled block table or its slot's ring (every
+    other cache entry NaN), chunks of 1 to 30 over 0 to 40 cached keys, GQA 1 and 3: as the reference,
+    and the chunks' keys written after the history was read."""
+    g = torch.Generator().manual_seed(70 + window)
+    for nkv, group in [(1, 1), (2, 3)]:
+        case = cached_chunk_case(g, [3, 1, 30, 9], [0, 5, 40, 17], nkv, group, 8, window=window,
+                                 ring_size=ring_size, dtype=dtype, device=DEVICE)
+        args = case["args"]
+        want = KERNELS["cached_extend_attention"]["reference"](*fp32([a.clone() if torch.is_tensor(a) else a
+                                                                     for a in args]))
+        got = CUDA["cached_extend_attention"](*args)
+        assert got.dtype == dtype and close(got, want, dtype), (nkv, group)
+        loc = case["locations"].to(DEVICE)
+        kept = loc >= 0
+        assert torch.equal(args[3][loc[kept]].cpu(), case["k"][kept.cpu()])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -42,7 +42,7 @@ TRACED = {
     "custom_ops/gpu": {"*"},
     "custom_ops/library.py": {"gpu_kernel"},
 }
-EAGER = {"InklingForCausalLM.forward_sequences", "PoolContext.prefill_attention", "PoolContext.checkpoint_conv",
+EAGER = {"InklingForCausalLM.forward_sequences", "PoolContext.checkpoint_conv", "PoolContext._checkpoint_rings",
          "PoolContext._checkpoint_ring", "PoolContext._cached_keys",
          "extend_attention_reference"}  # the prefill op's CUDA kernel until its Triton one: eager prefill only
 

@@ -1,4 +1,5 @@
-"""Prefill attention over packed chunks (`extend_attention`), flash-style.
+"""Prefill attention over packed chunks (`extend_attention`, and `cached_extend_attention`, whose keys
+come from the caches and the chunk), flash-style.
 
 A program owns one block of one sequence's consecutive queries and one KV head. Its rows are those
 queries times the query heads sharing the KV head, so each key block is read once for all of them
@@ -24,10 +25,11 @@ NEG: tl.constexpr = tl.constexpr(-1.0e30)  # finite "no keys yet": exp(NEG - m) 
 
 @triton.jit
 def _extend_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tau_ptr, qsl_ptr, ksl_ptr, out_ptr,
+                             kc_ptr, vc_ptr, pos_ptr, slot_ptr, bt_ptr,
                              B, hd, E, window, sq_tok, sq_head, sk_tok, sk_head, st_tok, st_head, so_tok, so_head,
-                             s_tau,
+                             s_tau, skc_tok, skc_head, s_bt, page_size, ring_size,
                              HAS_TAU: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BP: tl.constexpr, HDP: tl.constexpr, BLOCK_N: tl.constexpr):
+                             BP: tl.constexpr, HDP: tl.constexpr, BLOCK_N: tl.constexpr, HISTORY: tl.constexpr):
     p, g = tl.program_id(0), tl.program_id(1)
     # This program's sequence: the first whose cumulative block count passes p.
     seqs = tl.arange(0, BP)
@@ -41,8 +43,15 @@ def _extend_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tau_ptr, qsl_ptr, k
     mine = seqs == b
     block = p - tl.sum(tl.where(mine, ends - blocks, 0), axis=0)
     q0, n_q = tl.sum(tl.where(mine, q_lo, 0), axis=0), tl.sum(tl.where(mine, q_hi - q_lo, 0), axis=0)
-    k0 = tl.load(ksl_ptr + b)
-    n_k = tl.load(ksl_ptr + b + 1) - k0
+    if HISTORY:  # the sequence's keys: its cached history (positions first-hist..first-1), then the chunk's
+        first_pos = tl.load(pos_ptr + q0).to(tl.int64)
+        hist = tl.where(window > 0, tl.minimum(first_pos, window - 1), first_pos)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        k0 = q0 - hist  # key index j of the chunk's part is the packed token k0 + j
+        n_k = hist + n_q
+    else:
+        k0 = tl.load(ksl_ptr + b)
+        n_k = tl.load(ksl_ptr + b + 1) - k0
 
     # Rows: query (block*BLOCK_M + r // GP) of the sequence, head g*GROUP + r % GP.
     r = tl.arange(0, BLOCK_M * GP)
@@ -68,11 +77,27 @@ def _extend_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tau_ptr, qsl_ptr, k
     for start in range(lo, last + 1, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         jm = j <= last
-        at = (k0 + j).to(tl.int64)
-        kt = tl.load(k_ptr + at[None, :] * sk_tok + g * sk_head + dims[:, None], mask=dm[:, None] & jm[None, :],
+        own = jm
+        if HISTORY:
+            old = jm & (j < hist)
+            own = jm & (j >= hist)
+            kpos = first_pos - hist + j
+            if window > 0:  # the slot's ring
+                loc = slot * ring_size + kpos % ring_size
+            else:  # the slot's pages
+                page = tl.load(bt_ptr + slot * s_bt + kpos // page_size, mask=old, other=0).to(tl.int64)
+                loc = page * page_size + kpos % page_size
+            loc = tl.where(old, loc, 0)
+        at = tl.where(own, k0 + j, 0).to(tl.int64)
+        kt = tl.load(k_ptr + at[None, :] * sk_tok + g * sk_head + dims[:, None], mask=dm[:, None] & own[None, :],
                      other=0.0).to(tl.float32)  # [HDP, BLOCK_N]
-        v = tl.load(v_ptr + at[:, None] * sk_tok + g * sk_head + dims[None, :], mask=jm[:, None] & dm[None, :],
+        v = tl.load(v_ptr + at[:, None] * sk_tok + g * sk_head + dims[None, :], mask=own[:, None] & dm[None, :],
                     other=0.0).to(tl.float32)
+        if HISTORY:
+            kt += tl.load(kc_ptr + loc[None, :] * skc_tok + g * skc_head + dims[:, None],
+                          mask=dm[:, None] & old[None, :], other=0.0).to(tl.float32)
+            v += tl.load(vc_ptr + loc[:, None] * skc_tok + g * skc_head + dims[None, :],
+                         mask=old[:, None] & dm[None, :], other=0.0).to(tl.float32)
         dist = pos[:, None] - j[None, :]
         seen = live[:, None] & jm[None, :] & (dist >= 0) & ((dist < window) | (window == 0))
         bias = tl.load(table_ptr + tok[:, None] * st_tok + head[:, None] * st_head + dist,
@@ -90,8 +115,10 @@ def _extend_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, tau_ptr, qsl_ptr, k
              out.to(out_ptr.dtype.element_ty), mask=live[:, None] & dm[None, :])
 
 
-def extend_attention(q, k, v, table, tau, query_start_loc, key_start_loc, window: int, rel_extent: int) -> torch.Tensor:
-    """Signature and result of `attention.extend_attention_reference`."""
+def _launch(q, k, v, table, tau, query_start_loc, key_start_loc, window: int, rel_extent: int,
+            cache=None) -> torch.Tensor:
+    """The kernel over packed keys (`key_start_loc`), or over each row's cached history then its chunk's
+    keys (`cache`: k_cache, v_cache, positions, cache_indices, block_table, page_size, ring_size)."""
     T, nh, hd = q.shape
     nkv = k.shape[1]
     B = query_start_loc.shape[0] - 1
@@ -101,15 +128,43 @@ def extend_attention(q, k, v, table, tau, query_start_loc, key_start_loc, window
     assert q.stride(2) == 1 and k.stride(2) == 1 and table.stride(2) == 1, "inner dims must be contiguous"
     assert k.stride() == v.stride(), "k and v must share a layout"
     assert table.shape[2] == rel_extent, "the bias table holds one entry per distance of the relative extent"
-    assert query_start_loc.stride(0) == 1 and key_start_loc.stride(0) == 1, "start locations must be contiguous"
+    assert query_start_loc.stride(0) == 1, "start locations must be contiguous"
+    if cache is None:
+        assert key_start_loc.stride(0) == 1, "start locations must be contiguous"
+        k_cache = v_cache = positions = slots = block_table = k
+        cache_strides, page_size, ring_size = (0, 0, 0), 1, 1
+    else:
+        k_cache, v_cache, positions, slots, block_table, page_size, ring_size = cache
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1, "the caches must share a layout"
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), block_table.stride(0))
+        key_start_loc = query_start_loc  # not read
     group = nh // nkv
     gp = triton.next_power_of_2(group)
     block_m = max(1, ROWS // gp)
     grid = (triton.cdiv(T, block_m) + B, nkv)
     _extend_attention_kernel[grid](
         q, k, v, table, tau if tau is not None else q, query_start_loc, key_start_loc, out,
+        k_cache, v_cache, positions, slots, block_table,
         B, hd, rel_extent, window, q.stride(0), q.stride(1), k.stride(0), k.stride(1), table.stride(0),
         table.stride(1), out.stride(0), out.stride(1), tau.stride(0) if tau is not None else 0,
+        *cache_strides, page_size, ring_size,
         HAS_TAU=tau is not None, GROUP=group, GP=gp, BLOCK_M=block_m, BP=triton.next_power_of_2(B),
-        HDP=max(16, triton.next_power_of_2(hd)), BLOCK_N=BLOCK_N)
+        HDP=max(16, triton.next_power_of_2(hd)), BLOCK_N=BLOCK_N, HISTORY=cache is not None)
+    return out
+
+
+def extend_attention(q, k, v, table, tau, query_start_loc, key_start_loc, window: int, rel_extent: int) -> torch.Tensor:
+    """Signature and result of `attention.extend_attention_reference`."""
+    return _launch(q, k, v, table, tau, query_start_loc, key_start_loc, window, rel_extent)
+
+
+def cached_extend_attention(q, k, v, k_cache, v_cache, table, tau, query_start_loc, positions, cache_indices,
+                            kv_locations, block_table, page_size: int, ring_size: int, window: int,
+                            rel_extent: int) -> torch.Tensor:
+    """Signature and result of `attention.cached_extend_attention_reference`: the history is read in the
+    kernel, through the block table or the ring, before the chunk's keys are written after it (in stream
+    order); nothing depends on the data's values on the host."""
+    out = _launch(q, k, v, table, tau, query_start_loc, None, window, rel_extent,
+                  cache=(k_cache, v_cache, positions, cache_indices, block_table, page_size, ring_size))
+    torch.ops.inkling.kv_write.default(k_cache, v_cache, k, v, kv_locations)
     return out
