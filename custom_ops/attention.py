@@ -126,10 +126,18 @@ def cached_extend_attention_reference(q, k, v, k_cache, v_cache, table, tau, que
                                                   window, rel_extent)
 
 
-def cached_extend_attention_cpu(*args) -> torch.Tensor:
-    """The reference's gather, with the C++ (or whichever CPU) kernels of `kv_write` and `extend_attention`."""
-    return cached_extend_attention_reference(*args, attend=torch.ops.inkling.extend_attention.default,
-                                             write=torch.ops.inkling.kv_write.default)
+def cached_extend_attention_cpu(q, k, v, k_cache, v_cache, table, tau, query_start_loc, positions, *rest
+                                ) -> torch.Tensor:
+    """The reference's gather, with the C++ (or whichever CPU) kernels of `kv_write` and `extend_attention`;
+    chunks that all start their prompts (no history: the common case) skip the gather."""
+    attend, write = torch.ops.inkling.extend_attention.default, torch.ops.inkling.kv_write.default
+    firsts = positions[query_start_loc[:-1].long().clamp(max=max(positions.shape[0] - 1, 0))]
+    if positions.shape[0] and not firsts.any():
+        *_, kv_locations, _, _, _, window, rel_extent = rest
+        write(k_cache, v_cache, k, v, kv_locations)
+        return attend(q, k, v, table, tau, query_start_loc, query_start_loc, window, rel_extent)
+    return cached_extend_attention_reference(q, k, v, k_cache, v_cache, table, tau, query_start_loc, positions, *rest,
+                                             attend=attend, write=write)
 
 
 cached_extend_attention = define(

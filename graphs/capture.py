@@ -226,7 +226,8 @@ class CompiledStep:
         for i, b in enumerate(todo):
             if progress:
                 verb = f"warming the saved {self.kind} step" if self.loaded else f"compiling the {self.kind} step"
-                progress(f"{verb}: bucket {b}", i, len(todo))
+                progress(f"{verb}: bucket {b}" if self.kind != "extend" else f"{verb} (one graph for every chunk)",
+                         i, len(todo))
             self.prepare_padding(b)
             self._first_call(b)
             # CUDA graph trees run a new graph once to warm it, record it on the next call and replay it

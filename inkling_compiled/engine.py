@@ -63,8 +63,8 @@ class Engine:
                  seed: int = 0, buckets: tuple[int, ...] | None = None, compile_backend: str = "inductor",
                  compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
                  cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
-                 specialize_batch_one: bool = False, compile_package: bool = True, layer_transfer: bool = False,
-                 warmup: bool = True,
+                 specialize_batch_one: bool = False, compile_package: bool = True, compile_extend: bool = True,
+                 layer_transfer: bool = False, warmup: bool = True,
                  progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
                  state_memory_bytes: int | None = None, host_cache_bytes: int = 0, speculative=None,
                  num_speculative_tokens: int = 2, max_prefill_tokens=None, ranks: Ranks | None = None):
@@ -97,7 +97,8 @@ class Engine:
                              compile_backend=compile_backend, compile_mode=compile_mode,
                              compile_cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper,
                              graph_per_bucket=graph_per_bucket, specialize_batch_one=specialize_batch_one,
-                             compile_package=compile_package, layer_transfer=layer_transfer,
+                             compile_package=compile_package, compile_extend=compile_extend,
+                             layer_transfer=layer_transfer,
                              prefix_cache=prefix_cache, prefix_checkpoints=prefix_checkpoints,
                              state_memory_bytes=state_memory_bytes, draft_tokens=self.num_speculative_tokens,
                              with_hidden=needs_hidden, tensor_parallel=self.ranks is not None)
@@ -176,9 +177,11 @@ class Engine:
                 raise
         verifier = self.worker.verifier
         verify_note = f" and {len(verifier.graphs())} verify graph(s)" if verifier is not None else ""
+        extender = self.worker.extender
+        extend_note = "; 1 extend graph for every chunk" if extender is not None and extender.graphs() else ""
         source = " (loaded from its compile package: nothing compiled)" if decoder.loaded else ""
         stages.finish(f"decode step ready: {len(decoder.graphs())} graph(s){verify_note} for buckets "
-                      f"{', '.join(map(str, sorted(decoder.graph_of)))} in {time.perf_counter() - t0:.1f} s{source}")
+                      f"{', '.join(map(str, sorted(decoder.graph_of)))}{extend_note} in {time.perf_counter() - t0:.1f} s{source}")
         return seconds
 
     # ---- requests ---------------------------------------------------------------------------------

@@ -103,6 +103,12 @@ def _mark_batch(view: torch.Tensor, spec: PerRow | PerToken, batch: range, token
         torch._dynamo.maybe_mark_dynamic(view, 0)
 
 
+def _mark_extend(view: torch.Tensor, spec: PerRow | PerToken) -> None:
+    """An extend step's slice with a symbolic leading dimension: its rows (+ extra) or its tokens, unbacked
+    (any size, one and zero included), so one graph serves every chunk."""
+    _mark_unbacked(view, f"extend rows+{spec.extra}" if isinstance(spec, PerRow) else "extend tokens")
+
+
 def check_verify_shapes(md: StepMetadata) -> int:
     """Tells the compiler how a verify step's slices relate (each its own symbol when marked): B + extra
     entries per row, B x (K+1) per token, B the rows. Returns B. Checked at run time too."""
@@ -195,6 +201,8 @@ class StepBuffers:
         # sizes: the slices of a batch size in this range get a symbolic leading dimension. A range from 1
         # marks it unbacked (Dynamo would otherwise specialise a size of one); from 2, dynamic with bounds.
         self.symbolic_batch: dict[str, range | None] = {"decode": None, "verify": None}
+        # Set by a compiled extend step: every extend step's slices get symbolic rows and tokens.
+        self.symbolic_extend = False
         # Per step kind, rows -> the fields of a step of that many rows, kept: a graph replays on them.
         self._kept_views: dict[str, dict[int, dict[str, torch.Tensor]]] = {"decode": {}, "verify": {}}
         self._arange = np.arange(max(self.max_tokens, max_batch_size * (draft_tokens + 1)) + 1, dtype=np.int64)
@@ -226,6 +234,9 @@ class StepBuffers:
         if views is None:
             views = {name: field[:rows + spec.extra if isinstance(spec, PerRow) else tokens]
                      for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
+            if kind == "prefill" and self.symbolic_extend:  # fresh slices each step: no graph keeps them
+                for name, view in views.items():
+                    _mark_extend(view, BUFFER_SPECS[name])
             if kept is not None:  # kept: a graph replays its bucket on these very tensors
                 kept[rows] = views
                 batch = self.symbolic_batch[kind]
@@ -318,6 +329,11 @@ class StepBuffers:
                                 ring_kept=pos >= seq_lens[row_of] - self.window)
         self._fill_sampling(sampling, rows)
         return self._publish("prefill", rows, tokens)
+
+    def prepare_extend_padding(self) -> StepMetadata:
+        """An extend step of one padding row (two tokens on the dummy slot): what the compiled extend
+        step's warm-up runs (only the dummies are written)."""
+        return self.prepare_extend([[0, 0]], [0], [0], [GREEDY_PAD])
 
     def prepare_verify(self, tokens: list[list[int]], slots: list[int], cached_lens: list[int], limits: list[int],
                        drafted: list[int], sampling: list[RowSampling], pad_to: int | None = None) -> StepMetadata:

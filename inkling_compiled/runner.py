@@ -175,6 +175,27 @@ class DecodeStep(nn.Module):
         return forward_step(self.model, self.backend)
 
 
+class ExtendStep(nn.Module):
+    """The extend step (prefill chunks) as a module for the compiler, like `DecodeStep`: its rows and tokens
+    are symbols of the metadata's slices, so one graph serves every chunk (`EXTEND_GRAPH`)."""
+
+    GUARDED_SOURCES = DecodeStep.GUARDED_SOURCES
+
+    def __init__(self, model: InklingForCausalLM, backend: StepBackend):
+        super().__init__()
+        self.model, self.backend = model, backend
+        self.instance = next(_STEPS)
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        if self.instance < 0:  # never true: the comparison makes Dynamo guard on the instance number
+            raise AssertionError(self.instance)
+        return forward_step(self.model, self.backend)
+
+
+# The compiled extend step's one "bucket": its graph serves every chunk, at its own size (nothing padded).
+EXTEND_GRAPH = 1
+
+
 class VerifyStep(nn.Module):
     """The verify step as a module for the compiler, like `DecodeStep`; one graph serves every bucket."""
 
@@ -193,8 +214,10 @@ class VerifyStep(nn.Module):
 
 class Runner:
     """One runner for every step kind: `steps` maps a kind to its compiled step, or to None (eager).
-    Extend steps run eagerly (their token count varies); decode and verify replay their compiled step at
-    the plan's bucket when there is one. Rows past the plan's are padding: they write only the dummies."""
+    Decode and verify replay their compiled step at the plan's bucket; rows past the plan's are padding,
+    which write only the dummies. An extend step runs its compiled step at the plan's own size, unless it
+    takes prefix-cache checkpoints, scores prompt tokens or hands hidden states to a drafter: those run
+    eagerly (`eager_extend`)."""
 
     def __init__(self, model: InklingForCausalLM, backend: StepBackend, steps: dict[StepKind, object | None],
                  with_hidden: bool = False):
@@ -205,12 +228,15 @@ class Runner:
     def run(self, plan: StepPlan) -> StepOutput | VerifyOutput:
         """The plan's forward; outputs cut to its rows."""
         self.prepare(plan)
-        compiled = self.steps.get(plan.kind)
+        scoring = plan.kind is StepKind.EXTEND and bool(plan.prompt_logprobs)
+        compiled = None if plan.kind is StepKind.EXTEND and self.eager_extend(plan) else self.steps.get(plan.kind)
         if compiled is not None:
             self._wait_for_transfers()
-        scoring = plan.kind is StepKind.EXTEND and bool(plan.prompt_logprobs)
         with nvtx_range(self._range_name(plan, compiled is not None)):
-            out = compiled.run(plan.bucket) if compiled is not None else self._eager(plan.kind, scoring)
+            if compiled is None:
+                out = self._eager(plan.kind, scoring)
+            else:
+                out = compiled.run(EXTEND_GRAPH if plan.kind is StepKind.EXTEND else plan.bucket)
         if plan.kind is StepKind.EXTEND:
             if not scoring:
                 return StepOutput(*out)
@@ -224,11 +250,16 @@ class Runner:
         self.commit(plan.slots, out.accepted)  # before the next verify overwrites the saved windows
         return out
 
+    def eager_extend(self, plan: StepPlan) -> bool:
+        """Whether an extend plan runs eagerly: the compiled step neither takes checkpoints (their number and
+        places vary) nor hands back every token's hidden state (prompt scoring, a drafter's)."""
+        return bool(plan.checkpoints or plan.prompt_logprobs or self.with_hidden)
+
     @staticmethod
     def _range_name(plan: StepPlan, compiled: bool) -> str:
         """The NVTX range of the forward (`profile.py` finds decode replays by theirs)."""
         if plan.kind is StepKind.EXTEND:
-            return f"prefill {plan.rows} rows, {sum(len(t) for t in plan.tokens)} tokens"
+            return f"prefill {plan.rows} rows, {sum(len(t) for t in plan.tokens)} tokens" + ("" if compiled else " (eager)")
         if not compiled:
             return f"{plan.kind.value} {plan.rows} rows (eager)"
         prefix = "replay" if plan.kind is StepKind.DECODE else "verify replay"

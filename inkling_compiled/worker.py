@@ -30,15 +30,15 @@ from .kv_layout import pages_for
 from .model import InklingForCausalLM
 from .parallel.ranks import StepChannel
 from .quantize import is_weight_scale
-from .runner import DecodeStep, Runner, VerifyStep
+from .runner import EXTEND_GRAPH, DecodeStep, ExtendStep, Runner, VerifyStep
 from .step_plan import PoolEffect, Sampled, StepKind, StepPlan
 from .torch_state import PinnedTorchState
 
 # The engine's options a worker takes (a tensor-parallel rank gets these, and nothing else).
 WORKER_OPTIONS = ("compile", "max_batch_size", "max_model_len", "prefill_chunk_tokens", "page_size", "num_pages",
                   "buckets", "compile_backend", "compile_mode", "compile_cache_dir", "cpp_wrapper", "graph_per_bucket",
-                  "specialize_batch_one", "compile_package", "layer_transfer", "prefix_cache", "prefix_checkpoints",
-                  "state_memory_bytes")
+                  "specialize_batch_one", "compile_package", "compile_extend", "layer_transfer", "prefix_cache",
+                  "prefix_checkpoints", "state_memory_bytes")
 
 
 class Worker:
@@ -48,14 +48,14 @@ class Worker:
                  compile_backend: str = "inductor", compile_mode: str | None = None,
                  compile_cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None,
                  graph_per_bucket: bool = False, specialize_batch_one: bool = False, compile_package: bool = True,
-                 layer_transfer: bool = False, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
+                 compile_extend: bool = True, layer_transfer: bool = False, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
                  state_memory_bytes: int | None = None, draft_tokens: int = 0, with_hidden: bool = False,
                  tensor_parallel: bool = False):
         config = model.config
         self.model, self.config, self.device = model, config, device
         for name, flag in (("compile", compile), ("graph_per_bucket", graph_per_bucket),
                            ("specialize_batch_one", specialize_batch_one), ("layer_transfer", layer_transfer),
-                           ("prefix_cache", prefix_cache)):
+                           ("prefix_cache", prefix_cache), ("compile_extend", compile_extend)):
             option_bool(name, flag)
         self.max_batch_size = option_int("max_batch_size", max_batch_size)
         self.max_model_len = option_int("max_model_len", max_model_len, 2)
@@ -103,10 +103,25 @@ class Worker:
                     **options)
                 buffers.symbolic_batch["verify"] = None if verifier.load_package() else verifier.symbolic_batch
                 verifier.on_unpackage = lambda: buffers.mark_for_tracing("verify", verifier.symbolic_batch)
+            if compile_extend and not tensor_parallel:
+                steps[StepKind.EXTEND] = self._extend_step(options, compile_mode)
         self.runner = Runner(model, self.backend, steps, with_hidden)
         # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
         self.torch_state = PinnedTorchState()
         self.ranks = None  # the other ranks, on rank 0 of a tensor-parallel engine once it leads them
+
+    def _extend_step(self, options: dict, compile_mode: str | None) -> CompiledStep:
+        """The extend step compiled as one graph for every chunk (rows and tokens symbolic, nothing padded).
+        Never recorded as CUDA graphs: each chunk's shape would be a graph of its own, and a prefill
+        chunk's kernels outlast their launches anyway. Not saved in the compile package (yet): a process
+        traces it once at warm-up (inductor's own cache keeps its code)."""
+        mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(compile_mode,
+                                                                                                  compile_mode)
+        if mode is None and self.device.type == "cuda":
+            mode = "default"
+        self.backend.buffers.symbolic_extend = True
+        return CompiledStep(ExtendStep(self.model, self.backend), lambda _: self.backend.buffers.prepare_extend_padding(),
+                            kind="extend", **{**options, "buckets": (EXTEND_GRAPH,), "mode": mode})
 
     def _pool_sizes(self, page_size: int, num_pages, prefix_cache: bool, prefix_checkpoints, state_memory_bytes
                     ) -> tuple[int, int]:
@@ -135,6 +150,10 @@ class Worker:
     @property
     def verifier(self) -> CompiledStep | None:
         return self.runner.steps[StepKind.VERIFY]
+
+    @property
+    def extender(self) -> CompiledStep | None:
+        return self.runner.steps[StepKind.EXTEND]
 
     def package_key(self) -> tuple:
         """Everything the decode graph holds as a constant: our sources, the model and its weights' layout,
@@ -193,6 +212,8 @@ class Worker:
                     message.replace("decode step", f"verify step (K={self.draft_tokens})"), done, total)),
                     buckets=buckets)
                 seconds = {b: seconds[b] + verify.get(b, 0.0) for b in seconds}
+            if self.extender is not None and buckets is None:
+                self.extender.warmup(progress=progress)
         return seconds
 
     # ---- reports ----------------------------------------------------------------------------------------

@@ -122,3 +122,56 @@ def test_an_interrupt_in_a_middle_chunk_is_reported_and_frees_its_checkpoints(ch
     engine.clear_prefix_cache()
     assert engine.worker.pool.checkpoints.num_free == engine.worker.pool.checkpoints.capacity
     assert engine.worker.pool.pages.num_free == engine.worker.pool.pages.capacity
+
+
+@pytest.mark.parametrize("name, chunk, inner", [("tiny", 1, "eager"), ("tiny", 7, "aot_eager"), ("tiny", 64, "eager"),
+                                                ("tiny-k3", 1, "eager"), ("tiny-k3", 7, "eager"),
+                                                ("tiny-k3", 64, "eager")])
+def test_compiled_extend_matches_transformers_in_one_graph_while_others_decode(name, chunk, inner, checkpoint,
+                                                                               hf_greedy):
+    """Every prefill chunk runs the one compiled extend graph (rows and tokens symbolic): chunks of 1, 7
+    and 64 over prompts of 9 to 150 tokens, arriving while others decode, give transformers' tokens; the
+    graph has every conv stream's `sconv_extend` and one `cached_extend_attention` per layer, no graph
+    breaks, and the schedule compiles nothing after warm-up."""
+    import torch
+
+    from inkling_compiled.graphs import GraphRecorder, census
+    from inkling_compiled.streams import STREAM_NAMES
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    recorder = GraphRecorder(inner)
+    engine = Engine.from_pretrained(checkpoint(name), compile=True, compile_backend=recorder, max_batch_size=6,
+                                    buckets=(1, 2, 6), prefill_chunk_tokens=chunk, prefix_cache=False,
+                                    progress=False)
+    layers = engine.config.num_hidden_layers
+    assert len(recorder.graphs) == 2 and not torch._dynamo.utils.counters["graph_break"]
+    extend = census(recorder.graphs[1])
+    assert extend["ops"]["inkling::cached_extend_attention"] == layers
+    assert sorted((c["layer"], c["stream"]) for c in extend["custom_calls"] if c["op"] == "inkling::sconv_extend") == \
+        sorted((layer, s) for layer in range(layers) for s in STREAM_NAMES)
+    assert "inkling::sconv_decode" not in extend["ops"] and "inkling::extend_attention" not in extend["ops"]
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = []
+    run = engine.worker.extender.run
+    engine.worker.extender.run = lambda bucket: compiled.append(bucket) or run(bucket)
+    log = PrefillLog(engine)
+    short = [random_prompt(n, seed=800 + n) for n in (2, 3)]
+    long = [random_prompt(n, seed=900 + n) for n in (9, 17, 40, 150)]
+    rids = [engine.add_request(p, SamplingParams(max_new_tokens=30, logprobs=True, ignore_eos=True)) for p in short]
+    final = {}
+    for step in range(10_000):
+        if step % 3 == 0 and len(rids) < len(short) + len(long):  # the long prompts arrive one by one
+            rids.append(engine.add_request(long[len(rids) - len(short)], PARAMS))
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if not engine.has_unfinished() and len(rids) == len(short) + len(long):
+            break
+    assert len(compiled) == len(log.tokens) > len(long)  # every extend step ran the compiled graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    for prompt, rid in zip(long, rids[2:]):
+        assert_matches(hf_greedy, name, prompt, final[rid])
+    for prompt, rid in zip(short, rids[:2]):
+        assert final[rid].token_ids == hf_greedy(name, prompt, 30)[0]
+    torch._dynamo.reset()

@@ -522,9 +522,9 @@ def test_cached_extend_attention_reads_the_history_the_cache_holds(kernel, windo
     `kv_write` would put them afterwards."""
     g = torch.Generator().manual_seed(31 + window + ring_size)
     op = torch.ops.inkling.cached_extend_attention if kernel == "op" else KERNELS["cached_extend_attention"]["reference"]
-    for nkv, group in [(1, 1), (2, 2), (1, 4)]:
-        case = cached_chunk_case(g, [3, 1, 30, 9], [0, 5, 40, 17], nkv, group, 16, window=window,
-                                 ring_size=ring_size, dtype=dtype)
+    for (nkv, group), histories in itertools.product([(1, 1), (2, 2), (1, 4)], ([0, 5, 40, 17], [0, 0, 0, 0])):
+        case = cached_chunk_case(g, [3, 1, 30, 9], histories, nkv, group, 16, window=window, ring_size=ring_size,
+                                 dtype=dtype)
         got = op(*case["args"])
         want = KERNELS["extend_attention"]["reference"](*case["packed"])
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
