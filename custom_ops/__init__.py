@@ -6,9 +6,10 @@ and a capturable CUDA kernel (Triton, `gpu/`), registered per dispatch key (`lib
 the conv math the kernels are tested against.
 """
 
-from . import attention, barrier, kv, linear, moe, sampling, sconv  # noqa: F401  (defines the ops)
-from .attention import paged_attention, ring_attention
+from . import attention, barrier, checkpoint, kv, linear, moe, sampling, sconv  # noqa: F401  (defines the ops)
+from .attention import cached_extend_attention, paged_attention, ring_attention
 from .barrier import wait_layer
+from .checkpoint import ring_checkpoint, sconv_checkpoint
 from .kv import kv_write
 from .linear import dequantize, linear, linear_int8
 from .library import KERNELS, native_kernels, register_cpu_kernels
@@ -19,4 +20,5 @@ from .sconv import commit_conv_windows, sconv_decode, sconv_extend, sconv_verify
 register_cpu_kernels()
 
 __all__ = ["KERNELS", "sconv_decode", "sconv_extend", "sconv_verify", "commit_conv_windows", "kv_write", "paged_attention", "ring_attention", "moe_experts",
-           "wait_layer", "top_k_top_p", "linear", "linear_int8", "moe_experts_int8", "dequantize", "native_kernels"]
+           "wait_layer", "top_k_top_p", "linear", "linear_int8", "moe_experts_int8", "dequantize", "native_kernels",
+           "sconv_checkpoint", "ring_checkpoint", "cached_extend_attention"]

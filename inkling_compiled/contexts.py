@@ -14,7 +14,6 @@ and keeps none.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import torch
@@ -27,7 +26,6 @@ from .kv_layout import page_location, ring_location
 from .custom_ops.reference import packed_causal_conv
 from .metadata import StepMetadata
 from .nvtx import nvtx_range
-from .step_plan import Checkpoint
 from .streams import STREAM_NAMES
 
 
@@ -58,18 +56,7 @@ class PoolContext:
 
     def __init__(self, pool: StatePool, config: InklingConfig, metadata: StepMetadata):
         self.pool, self.config, self.metadata = pool, config, metadata
-        # The prefix-cache checkpoints the extend step being run takes (its plan's), only while it runs.
-        self.checkpoints: list[Checkpoint] = []
         self._conv_range_names = [[f"layer {i} sconv {s}" for s in STREAM_NAMES] for i in range(config.num_hidden_layers)]
-
-    @contextlib.contextmanager
-    def taking_checkpoints(self, checkpoints: list[Checkpoint]):
-        """For the extend forward run inside: each checkpoint's row state is saved at its boundary."""
-        self.checkpoints = checkpoints
-        try:
-            yield
-        finally:
-            self.checkpoints = []
 
     # ---- pool reads: one slice each, resolved per call ---------------------------------------------
 
@@ -106,24 +93,13 @@ class PoolContext:
                                                       self.sconv_intermediate_window(layer_id, stream), layer_id, stream)
             if md.is_decode:
                 return torch.ops.inkling.sconv_decode(x32, state, weight, md.cache_indices, layer_id, stream)
-            before = state.index_select(0, md.cache_indices.long()) if self.checkpoints else None
-            y = torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
-                                               md.cache_indices, layer_id, stream)
-            if self.checkpoints:
-                self.checkpoint_conv(x32, before, layer_id, stream)
-            return y
-
-    def checkpoint_conv(self, x32: torch.Tensor, before: torch.Tensor, layer_id: int, stream: int) -> None:
-        """Eager prefill only: each checkpoint's conv window of this (layer, stream), the K-1 inputs
-        before its boundary, out of the row's window before the step (`before`) and its chunk."""
-        K = self.config.conv_kernel_size
-        name, index = self.pool.layer_index(layer_id, stream)
-        for c in self.checkpoints:
-            # the window before the chunk (positions first-K+1 .. first-1), then at most the K-1 chunk
-            # inputs before the boundary: the last K-1 of those rows are the window at the boundary
-            end = c.packed_start + c.boundary - c.first
-            inputs = torch.cat([before[c.row], x32[max(c.packed_start, end - (K - 1)):end]])
-            self.pool.conv_checkpoints[name][index, c.index] = inputs[inputs.shape[0] - (K - 1):]
+            # The prefix-cache checkpoints the step takes: the window at each boundary, before the slot's changes.
+            name, index = self.pool.layer_index(layer_id, stream)
+            torch.ops.inkling.sconv_checkpoint(x32, state, self.pool.conv_checkpoints[name][index], md.cache_indices,
+                                               md.has_initial_state, md.query_start_loc, md.checkpoint_rows,
+                                               md.checkpoint_ends, md.checkpoint_indices)
+            return torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
+                                                  md.cache_indices, layer_id, stream)
 
     def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
         md = self.metadata
@@ -150,51 +126,17 @@ class PoolContext:
         on a global layer, the last W-1 on a sliding one) and causally to its own, which are then written.
         One `cached_extend_attention` call serves every row and reads each row's history from the cache
         itself, so nothing here looks at the data (a compiled extend step traces this); its kernels' memory
-        is linear in the chunk plus the history read. The prefix-cache checkpoints of a sliding layer's ring
-        are taken first, eagerly, from the ring as it is before the chunk's keys go in."""
+        is linear in the chunk plus the history read. A sliding layer's ring is checkpointed first, as it
+        stands at each of the step's prefix-cache boundaries, before the chunk's keys go in."""
         md = self.metadata
-        if self.checkpoints and g.sliding:
-            self._checkpoint_rings(layer_id, g, k, v, k_cache, v_cache)
+        if g.sliding:
+            _, index = self.pool.streams.kv_locate(layer_id)
+            k_saved, v_saved = (saved[index] for saved in self.pool.ring_checkpoints)
+            torch.ops.inkling.ring_checkpoint(k, v, k_cache, v_cache, k_saved, v_saved, md.query_start_loc, md.positions,
+                                              md.cache_indices, md.checkpoint_rows, md.checkpoint_boundaries,
+                                              md.checkpoint_indices, self.pool.ring_size, g.window)
         tau = self.config.log_scale(md.positions) if g.log_scaling else None
         return torch.ops.inkling.cached_extend_attention(
             q, k, v, k_cache, v_cache, table, tau, md.query_start_loc, md.positions, md.cache_indices,
             md.sliding_kv_loc if g.sliding else md.global_kv_loc, self.pool.block_table, self.pool.page_size,
             self.pool.ring_size, g.window or 0, g.rel_extent)
-
-    def _checkpoint_rings(self, layer_id: int, g: LayerGeometry, k, v, k_cache, v_cache) -> None:
-        """Eager prefill only: the ring checkpoints of the rows that take one, out of each row's history (read
-        before its chunk's keys are written) and its chunk's own keys."""
-        md = self.metadata
-        qsl = md.query_start_loc.tolist()
-        for row in sorted({c.row for c in self.checkpoints}):
-            start, end = qsl[row], qsl[row + 1]
-            first, slot = int(md.positions[start]), int(md.cache_indices[row])
-            hk, hv, hpos = self._cached_keys(g, k_cache, v_cache, slot, first)
-            self._checkpoint_ring(layer_id, row, torch.cat([hk, k[start:end]]), torch.cat([hv, v[start:end]]),
-                                  first - len(hpos))
-
-    def _checkpoint_ring(self, layer_id: int, row: int, keys, values, first_key: int) -> None:
-        """This row's checkpoints of a sliding layer's ring (laid out as a slot's ring, R entries): entry
-        p % R holds position p, for the W positions before the boundary (zero elsewhere, as in a fresh ring). `keys`/`values` hold the
-        consecutive positions from `first_key`, which reach back far enough for any boundary in the chunk."""
-        W, R = self.config.sliding_window_size, self.pool.ring_size
-        _, index = self.pool.streams.kv_locate(layer_id)
-        for ring, source in zip(self.pool.ring_checkpoints, (keys, values)):
-            for c in self.checkpoints:
-                if c.row != row:
-                    continue
-                saved = ring[index, c.index * R:(c.index + 1) * R]
-                saved.zero_()
-                p = torch.arange(max(0, c.boundary - W), c.boundary, device=saved.device)
-                saved[p % R] = source[p - first_key]
-
-    def _cached_keys(self, g: LayerGeometry, k_cache, v_cache, slot: int, first: int):
-        """(keys, values, positions) a chunk starting at position `first` reads from the cache."""
-        device = k_cache.device
-        if g.sliding:  # the ring holds the last W positions; a query at `first` sees W-1 of them
-            pos = torch.arange(max(0, first - g.window + 1), first, device=device)
-            loc = ring_location(slot, pos, self.pool.ring_size)
-        else:
-            pos = torch.arange(first, device=device)
-            loc = page_location(self.pool.block_table, slot, pos, self.pool.page_size).long()
-        return k_cache[loc], v_cache[loc], pos

@@ -10,7 +10,7 @@ mirror of the block table, nothing else.
 from __future__ import annotations
 
 import typing
-from typing import Annotated, NamedTuple
+from typing import Annotated, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -19,6 +19,9 @@ import torch
 from .config import InklingConfig
 from .kv_layout import page_location, ring_location
 from .static import mark_static
+
+if typing.TYPE_CHECKING:
+    from .step_plan import Checkpoint  # which imports this module
 
 
 class PerRow(NamedTuple):
@@ -30,6 +33,12 @@ class PerRow(NamedTuple):
 
 class PerToken(NamedTuple):
     """A field with one entry per token of the step."""
+
+    dtype: torch.dtype
+
+
+class PerCheckpoint(NamedTuple):
+    """A field with one entry per prefix-cache checkpoint the step takes (extend steps only)."""
 
     dtype: torch.dtype
 
@@ -59,10 +68,15 @@ class StepMetadata(msgspec.Struct):
     seed: Annotated[torch.Tensor, PerRow(torch.int64)]  # 32-bit key mixed from the request's 64-bit seed
     sample_counter: Annotated[torch.Tensor, PerRow(torch.int64)]  # index of the token being generated
     drafted: Annotated[torch.Tensor, PerRow(torch.int64)]  # real drafts in a verify row (the rest stand in)
+    # prefix-cache checkpoints an extend step takes on its way (see custom_ops/checkpoint.py); none otherwise
+    checkpoint_rows: Annotated[torch.Tensor, PerCheckpoint(torch.int32)]  # the row whose state is saved
+    checkpoint_ends: Annotated[torch.Tensor, PerCheckpoint(torch.int64)]  # packed index of the boundary's token
+    checkpoint_boundaries: Annotated[torch.Tensor, PerCheckpoint(torch.int64)]  # the boundary's position
+    checkpoint_indices: Annotated[torch.Tensor, PerCheckpoint(torch.int64)]  # the pool checkpoint written
     draft_tokens: int = 0  # K in a verify step (each row: its newest token, then K drafts); 0 otherwise
 
 
-BUFFER_SPECS: dict[str, PerRow | PerToken] = {
+BUFFER_SPECS: dict[str, PerRow | PerToken | PerCheckpoint] = {
     name: hint.__metadata__[0]
     for name, hint in typing.get_type_hints(StepMetadata, include_extras=True).items()
     if hasattr(hint, "__metadata__")}
@@ -103,10 +117,11 @@ def _mark_batch(view: torch.Tensor, spec: PerRow | PerToken, batch: range, token
         torch._dynamo.maybe_mark_dynamic(view, 0)
 
 
-def _mark_extend(view: torch.Tensor, spec: PerRow | PerToken) -> None:
-    """An extend step's slice with a symbolic leading dimension: its rows (+ extra) or its tokens, unbacked
-    (any size, one and zero included), so one graph serves every chunk."""
-    _mark_unbacked(view, f"extend rows+{spec.extra}" if isinstance(spec, PerRow) else "extend tokens")
+def _mark_extend(view: torch.Tensor, spec: PerRow | PerToken | PerCheckpoint) -> None:
+    """An extend step's slice with a symbolic leading dimension: its rows (+ extra), its tokens or its
+    checkpoints, unbacked (any size, one and zero included), so one graph serves every chunk."""
+    _mark_unbacked(view, f"extend rows+{spec.extra}" if isinstance(spec, PerRow) else
+                   "extend tokens" if isinstance(spec, PerToken) else "extend checkpoints")
 
 
 def check_verify_shapes(md: StepMetadata) -> int:
@@ -114,6 +129,8 @@ def check_verify_shapes(md: StepMetadata) -> int:
     entries per row, B x (K+1) per token, B the rows. Returns B. Checked at run time too."""
     rows = md.cache_indices.shape[0]
     for name, spec in BUFFER_SPECS.items():
+        if isinstance(spec, PerCheckpoint):
+            continue
         size = getattr(md, name).shape[0]
         torch._check(size == (rows + spec.extra if isinstance(spec, PerRow) else rows * (md.draft_tokens + 1)))
     return rows
@@ -123,15 +140,22 @@ _ALIGN = 16  # bytes: every field starts aligned for its dtype (and for vector l
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
 
+def _entries(spec: PerRow | PerToken | PerCheckpoint, rows: int, tokens: int, checkpoints: int) -> int:
+    """A field's length in a step of `rows` rows, `tokens` tokens and `checkpoints` checkpoints."""
+    return rows + spec.extra if isinstance(spec, PerRow) else tokens if isinstance(spec, PerToken) else checkpoints
+
+
 class FieldRegion:
-    """Every metadata field, for up to `rows` rows and `tokens` tokens, at a fixed offset in one byte
-    buffer (per-row fields first, so a small step's fields end early): one host-to-device copy moves a
-    step. On CPU the host side is the buffer itself. Elsewhere it is a host copy (pinned on CUDA), copied
+    """Every metadata field, for up to `rows` rows, `tokens` tokens and `checkpoints` checkpoints, at a
+    fixed offset in one byte buffer (per-token fields last, so a small step's fields end early): one
+    host-to-device copy moves a step. On CPU the host side is the buffer itself. Elsewhere it is a host copy (pinned on CUDA), copied
     with one non-blocking copy; an event makes the next prep wait until that copy has read it."""
 
-    def __init__(self, rows: int, tokens: int, device: torch.device, staged: bool | None = None):
-        lengths = {name: rows + spec.extra if isinstance(spec, PerRow) else tokens for name, spec in BUFFER_SPECS.items()}
-        order = sorted(BUFFER_SPECS, key=lambda name: not isinstance(BUFFER_SPECS[name], PerRow))
+    def __init__(self, rows: int, tokens: int, device: torch.device, staged: bool | None = None,
+                 checkpoints: int = 0):
+        self.checkpoints = checkpoints
+        lengths = {name: _entries(spec, rows, tokens, checkpoints) for name, spec in BUFFER_SPECS.items()}
+        order = sorted(BUFFER_SPECS, key=lambda name: [PerRow, PerCheckpoint, PerToken].index(type(BUFFER_SPECS[name])))
         self.offsets, offset = {}, 0
         for name in order:
             self.offsets[name] = offset
@@ -192,7 +216,9 @@ class StepBuffers:
         self.max_batch_size, self.max_tokens = max_batch_size, max(max_tokens, max_batch_size)
         self.device = torch.device(device)
         self.decode_region = FieldRegion(max_batch_size, max_batch_size, self.device, staged)
-        self.prefill_region = FieldRegion(max_batch_size, self.max_tokens, self.device, staged)
+        # An extend step's chunks cross at most one page boundary per page of tokens, plus one per row.
+        self.prefill_region = FieldRegion(max_batch_size, self.max_tokens, self.device, staged,
+                                          checkpoints=self.max_tokens // page_size + max_batch_size)
         self.draft_tokens = draft_tokens
         self.verify_region = FieldRegion(max_batch_size, max_batch_size * (draft_tokens + 1), self.device, staged) \
             if draft_tokens else None
@@ -208,7 +234,7 @@ class StepBuffers:
         self._arange = np.arange(max(self.max_tokens, max_batch_size * (draft_tokens + 1)) + 1, dtype=np.int64)
         self._block_table = block_table_host.numpy()  # the pool's host mirror: shares its memory
         self._h = self.decode_region.host  # the host fields of the step being prepared
-        self.last_step: tuple[str, int, int] | None = None  # (kind, rows, tokens) of the step last published
+        self.last_step: tuple[str, int, int, int] | None = None  # (kind, rows, tokens, checkpoints) last published
 
     def _region(self, kind: str) -> FieldRegion:
         return {"decode": self.decode_region, "prefill": self.prefill_region, "verify": self.verify_region}[kind]
@@ -224,15 +250,15 @@ class StepBuffers:
         if tokens > self.max_tokens:
             raise ValueError(f"step has {tokens} tokens; the metadata buffers were sized for max_tokens={self.max_tokens}")
 
-    def _publish(self, kind: str, rows: int, tokens: int) -> StepMetadata:
+    def _publish(self, kind: str, rows: int, tokens: int, checkpoints: int = 0) -> StepMetadata:
         """Copies the step's metadata to the device (if staged) and points the metadata at its fields."""
         region = self._region(kind)
         region.publish(tokens)
-        self.last_step = (kind, rows, tokens)
+        self.last_step = (kind, rows, tokens, checkpoints)
         kept = self._kept_views.get(kind)
         views = kept.get(rows) if kept is not None else None
         if views is None:
-            views = {name: field[:rows + spec.extra if isinstance(spec, PerRow) else tokens]
+            views = {name: field[:_entries(spec, rows, tokens, checkpoints)]
                      for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
             if kind == "prefill" and self.symbolic_extend:  # fresh slices each step: no graph keeps them
                 for name, view in views.items():
@@ -242,7 +268,7 @@ class StepBuffers:
                 batch = self.symbolic_batch[kind]
                 for name, view in views.items():
                     mark_static(view)
-                    if batch is not None and rows in batch:
+                    if batch is not None and rows in batch and not isinstance(BUFFER_SPECS[name], PerCheckpoint):
                         _mark_batch(view, BUFFER_SPECS[name], batch, self.draft_tokens + 1 if kind == "verify" else 1)
         md = self.metadata
         md.is_decode = kind == "decode"
@@ -302,11 +328,15 @@ class StepBuffers:
         return self.prepare_extend(prompts, [0] * len(prompts), slots, sampling)
 
     def prepare_extend(self, chunks: list[list[int]], starts: list[int], slots: list[int],
-                       sampling: list[RowSampling]) -> StepMetadata:
+                       sampling: list[RowSampling], checkpoints: Sequence[Checkpoint] = ()) -> StepMetadata:
         """Packed chunks of prompts, each continuing its slot's state: chunk i holds the tokens at
         positions starts[i].. of its request, whose first starts[i] tokens are in the pool already (their
-        conv windows in the slot, their keys in the caches)."""
+        conv windows in the slot, their keys in the caches). `checkpoints`: the prefix-cache checkpoints
+        the step takes on its way."""
         rows = len(slots)
+        if len(checkpoints) > self.prefill_region.checkpoints:
+            raise ValueError(f"step takes {len(checkpoints)} checkpoints; the metadata buffers were sized for "
+                             f"{self.prefill_region.checkpoints}")
         lens = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=rows)
         first = np.asarray(starts, dtype=np.int64)
         tokens = int(lens.sum())
@@ -328,7 +358,12 @@ class StepBuffers:
         self._fill_kv_locations(tokens, np.asarray(slots, dtype=np.int64)[row_of], pos,
                                 ring_kept=pos >= seq_lens[row_of] - self.window)
         self._fill_sampling(sampling, rows)
-        return self._publish("prefill", rows, tokens)
+        n = len(checkpoints)
+        h["checkpoint_rows"][:n] = [c.row for c in checkpoints]
+        h["checkpoint_ends"][:n] = [c.packed_start + c.boundary - c.first for c in checkpoints]
+        h["checkpoint_boundaries"][:n] = [c.boundary for c in checkpoints]
+        h["checkpoint_indices"][:n] = [c.index for c in checkpoints]
+        return self._publish("prefill", rows, tokens, n)
 
     def prepare_extend_padding(self) -> StepMetadata:
         """An extend step of one padding row (two tokens on the dummy slot): what the compiled extend

@@ -215,9 +215,9 @@ class VerifyStep(nn.Module):
 class Runner:
     """One runner for every step kind: `steps` maps a kind to its compiled step, or to None (eager).
     Decode and verify replay their compiled step at the plan's bucket; rows past the plan's are padding,
-    which write only the dummies. An extend step runs its compiled step at the plan's own size, unless it
-    takes prefix-cache checkpoints, scores prompt tokens or hands hidden states to a drafter: those run
-    eagerly (`eager_extend`)."""
+    which write only the dummies. An extend step runs its compiled step at the plan's own size (its
+    prefix-cache checkpoints included), unless it scores prompt tokens or hands hidden states to a
+    drafter: those run eagerly (`eager_extend`)."""
 
     def __init__(self, model: InklingForCausalLM, backend: StepBackend, steps: dict[StepKind, object | None],
                  with_hidden: bool = False):
@@ -251,9 +251,9 @@ class Runner:
         return out
 
     def eager_extend(self, plan: StepPlan) -> bool:
-        """Whether an extend plan runs eagerly: the compiled step neither takes checkpoints (their number and
-        places vary) nor hands back every token's hidden state (prompt scoring, a drafter's)."""
-        return bool(plan.checkpoints or plan.prompt_logprobs or self.with_hidden)
+        """Whether an extend plan runs eagerly: the compiled step does not hand back every token's hidden
+        state (what prompt scoring and a drafter read)."""
+        return bool(plan.prompt_logprobs or self.with_hidden)
 
     @staticmethod
     def _range_name(plan: StepPlan, compiled: bool) -> str:
@@ -276,7 +276,7 @@ class Runner:
                 buffers.prepare_verify(plan.tokens, plan.slots, plan.starts, plan.limits, plan.drafted, plan.sampling,
                                        pad_to=plan.bucket)
             else:
-                buffers.prepare_extend(plan.tokens, plan.starts, plan.slots, plan.sampling)
+                buffers.prepare_extend(plan.tokens, plan.starts, plan.slots, plan.sampling, plan.checkpoints)
 
     def _eager(self, kind: StepKind, every_hidden: bool = False) -> tuple[torch.Tensor, ...]:
         """The step run eagerly; an extend step hands back every token's hidden state when a drafter reads

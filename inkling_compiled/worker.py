@@ -183,7 +183,7 @@ class Worker:
         """Runs the plan's forward: (what it sampled, on the host, when any row takes a token; the hidden
         states, when the plan asks for them)."""
         self._send({"op": "step"}, plan)
-        with self.torch_state.pinned(), self.backend.context.taking_checkpoints(plan.checkpoints):
+        with self.torch_state.pinned():
             out = self.runner.run(plan)
         takes = plan.kind is not StepKind.EXTEND or any(plan.sampled) or bool(plan.prompt_logprobs)
         return (out.sampled(plan.top_logprobs) if to_host and takes else None), out.hidden

@@ -175,3 +175,32 @@ def test_compiled_extend_matches_transformers_in_one_graph_while_others_decode(n
     for prompt, rid in zip(short, rids[:2]):
         assert final[rid].token_ids == hf_greedy(name, prompt, 30)[0]
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", PARITY_CONFIGS)
+def test_compiled_extend_takes_the_prefix_checkpoints_later_prompts_resume_from(name, checkpoint, hf_greedy):
+    """With the prefix cache on, the compiled extend graph takes the conv and ring checkpoints at page
+    boundaries (any number per step, none included): a later prompt sharing 32 tokens resumes from the
+    state saved there, and both answers are transformers'. Nothing runs eagerly or recompiles."""
+    import torch
+
+    from inkling_compiled.graphs import GraphRecorder
+
+    torch._dynamo.reset()
+    recorder = GraphRecorder("aot_eager")
+    engine = Engine.from_pretrained(checkpoint(name), compile=True, compile_backend=recorder, max_batch_size=2,
+                                    buckets=(1, 2), prefill_chunk_tokens=20, progress=False)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = []
+    run = engine.worker.extender.run
+    engine.worker.extender.run = lambda bucket: compiled.append(bucket) or run(bucket)
+    log = PrefillLog(engine)
+    first = random_prompt(45, seed=1000)
+    second = first[:33] + random_prompt(12, seed=1001)
+    got_first = engine.generate([first], PARAMS)[0]
+    got_second = engine.generate([second], PARAMS)[0]
+    assert got_second.cached_tokens == 32  # two pages of 16, their state from the first prompt's checkpoints
+    assert len(compiled) == len(log.tokens) >= 4 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    assert_matches(hf_greedy, name, first, got_first)
+    assert_matches(hf_greedy, name, second, got_second)
+    torch._dynamo.reset()

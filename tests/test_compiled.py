@@ -30,7 +30,10 @@ def fresh_dynamo():
 
 
 def compiled_engine(checkpoint, name, **kw):
+    """These tests are about the decode graph: the extend graph (tests/test_chunked_prefill.py) is left out
+    unless a test asks for it."""
     kw.setdefault("progress", False)
+    kw.setdefault("compile_extend", False)
     return Engine.from_pretrained(checkpoint(name), compile=True, **kw)
 
 
@@ -180,9 +183,10 @@ def test_pool_sizes_are_not_baked_into_the_graph(checkpoint):
 
 @pytest.mark.parametrize("name", PARITY_CONFIGS)
 def test_compiled_engine_matches_eager_with_continuous_batching(name, checkpoint):
-    """Inductor graphs for buckets (1, 4); 10 rows decode as 4 + 4 + 2 (padded): the overflow splits."""
+    """Inductor graphs for buckets (1, 4) and the extend graph; 10 rows decode as 4 + 4 + 2 (padded): the
+    overflow splits."""
     eager = Engine.from_pretrained(checkpoint(name), compile=False, max_batch_size=10)
-    compiled = compiled_engine(checkpoint, name, max_batch_size=10, buckets=(1, 4))
+    compiled = compiled_engine(checkpoint, name, max_batch_size=10, buckets=(1, 4), compile_extend=True)
     prompts = [random_prompt(n, seed=3000 + n) for n in PARITY_LENGTHS]
     worst = 0.0
     for engine_outs in [(eager.generate(prompts, GREEDY), compiled.generate(prompts, GREEDY))]:

@@ -39,14 +39,14 @@ def test_each_kind_of_sync_is_caught_where_it_is_traced():
         "    return torch.where(x > 0, x, 0.0).float()\n"
         "def host_side(x):\n"
         "    return x.tolist()\n"
-        "class PoolContext:\n"
-        "    def _checkpoint_rings(self, md):\n"
+        "class InklingForCausalLM:\n"
+        "    def forward_sequences(self, md):\n"
         "        return md.query_start_loc.tolist()\n"
         "def kernel(x):\n"
         "    return x.nonzero()\n"
         "op = define('op(Tensor x) -> Tensor', fake=None, reference=None, cuda=kernel)\n"
     )
-    problems = scan_host_sync.scan_source(source, "m.py", {"traced", "PoolContext"})
+    problems = scan_host_sync.scan_source(source, "m.py", {"traced", "InklingForCausalLM"})
     assert [p.split(":")[1] for p in problems] == ["2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13",
                                                    "22"]
     assert "`kernel` gives a shape that depends on data (nonzero)" in problems[-1]  # registered as CUDA kernel

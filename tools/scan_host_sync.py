@@ -42,8 +42,7 @@ TRACED = {
     "custom_ops/gpu": {"*"},
     "custom_ops/library.py": {"gpu_kernel"},
 }
-EAGER = {"InklingForCausalLM.forward_sequences", "PoolContext.checkpoint_conv", "PoolContext._checkpoint_rings",
-         "PoolContext._checkpoint_ring", "PoolContext._cached_keys",
+EAGER = {"InklingForCausalLM.forward_sequences",
          "extend_attention_reference"}  # the prefill op's CUDA kernel until its Triton one: eager prefill only
 
 
