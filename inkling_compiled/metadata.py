@@ -286,6 +286,13 @@ class StepBuffers:
         if self.last_step is not None and self.last_step[0] == kind:
             self._publish(*self.last_step)
 
+    def mark_extend_for_tracing(self) -> None:
+        """From now on extend steps' slices are marked (see `symbolic_extend`); the step last prepared, if an
+        extend step, is published again on marked ones."""
+        self.symbolic_extend = True
+        if self.last_step is not None and self.last_step[0] == "prefill":
+            self._publish(*self.last_step)
+
     def _fill_sampling(self, sampling: list[RowSampling], rows: int) -> None:
         h, n = self._h, len(sampling)
         for name in RowSampling.__struct_fields__:

@@ -104,24 +104,29 @@ class Worker:
                 buffers.symbolic_batch["verify"] = None if verifier.load_package() else verifier.symbolic_batch
                 verifier.on_unpackage = lambda: buffers.mark_for_tracing("verify", verifier.symbolic_batch)
             if compile_extend and not tensor_parallel:
-                steps[StepKind.EXTEND] = self._extend_step(options, compile_mode)
+                steps[StepKind.EXTEND] = self._extend_step(options, compile_mode,
+                                                           None if key is None else (*key, "extend"))
         self.runner = Runner(model, self.backend, steps, with_hidden)
         # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
         self.torch_state = PinnedTorchState()
         self.ranks = None  # the other ranks, on rank 0 of a tensor-parallel engine once it leads them
 
-    def _extend_step(self, options: dict, compile_mode: str | None) -> CompiledStep:
-        """The extend step compiled as one graph for every chunk (rows and tokens symbolic, nothing padded).
-        Never recorded as CUDA graphs: each chunk's shape would be a graph of its own, and a prefill
-        chunk's kernels outlast their launches anyway. Not saved in the compile package (yet): a process
-        traces it once at warm-up (inductor's own cache keeps its code)."""
+    def _extend_step(self, options: dict, compile_mode: str | None, package_key: tuple | None) -> CompiledStep:
+        """The extend step compiled as one graph for every chunk (rows, tokens and checkpoints symbolic,
+        nothing padded), saved whole beside the decode step's package. Never recorded as CUDA graphs: each
+        chunk's shape would be a graph of its own, and a prefill chunk's kernels outlast their launches."""
         mode = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}.get(compile_mode,
                                                                                                   compile_mode)
         if mode is None and self.device.type == "cuda":
             mode = "default"
-        self.backend.buffers.symbolic_extend = True
-        return CompiledStep(ExtendStep(self.model, self.backend), lambda _: self.backend.buffers.prepare_extend_padding(),
-                            kind="extend", **{**options, "buckets": (EXTEND_GRAPH,), "mode": mode})
+        buffers = self.backend.buffers
+        extender = CompiledStep(ExtendStep(self.model, self.backend), lambda _: buffers.prepare_extend_padding(),
+                                kind="extend", package_key=package_key, **{**options, "buckets": (EXTEND_GRAPH,),
+                                                                            "mode": mode})
+        # As for decode: a loaded package expects the slices unmarked, a traced step needs them marked.
+        buffers.symbolic_extend = not extender.load_package()
+        extender.on_unpackage = buffers.mark_extend_for_tracing
+        return extender
 
     def _pool_sizes(self, page_size: int, num_pages, prefix_cache: bool, prefix_checkpoints, state_memory_bytes
                     ) -> tuple[int, int]:

@@ -222,3 +222,30 @@ def test_a_speculative_engine_saves_its_verify_step_beside_the_decode_step(check
         assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
     other = engine(checkpoint, max_batch_size=4, speculative=Threes(), num_speculative_tokens=3, warmup=False)
     assert other.worker.verifier.package_path != verifier.package_path
+
+
+def test_the_extend_step_is_saved_and_loaded_beside_the_decode_step(checkpoint, caplog):
+    """The extend graph is saved whole too (its key the decode step's and "extend"): a later engine with
+    other pool sizes loads it, prefills and takes prefix checkpoints without tracing, as the eager
+    engine does. A package that refuses its first inputs is dropped for tracing, its slices marked
+    again, and still prefills as eager does."""
+    first = engine(checkpoint, max_batch_size=4)
+    extender = first.worker.extender
+    assert extender.packaged and extender.package_path.is_file()
+    assert extender.package_path != first.worker.decoder.package_path
+    frames = traced_frames()
+    sizes = dict(max_batch_size=8, num_pages=70, max_model_len=192)
+    later = engine(checkpoint, **sizes)
+    assert later.worker.extender.loaded and not later.worker.backend.buffers.symbolic_extend
+    assert_decodes_as_eager(later, checkpoint, **sizes)
+    assert traced_frames() == frames
+
+    refused = engine(checkpoint, max_batch_size=4, warmup=False)
+    assert refused.worker.extender.loaded
+    refused.worker.backend.buffers.prepare_extend_padding()
+    refused.worker.backend.metadata.seed = torch.zeros(1, dtype=torch.float64)  # not what the package was built for
+    with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
+        refused.worker.extender.run(1)
+    assert "refused its first inputs" in caplog.text and not refused.worker.extender.packaged
+    assert refused.worker.backend.buffers.symbolic_extend and traced_frames() == frames + 1
+    assert_decodes_as_eager(refused, checkpoint, max_batch_size=4)

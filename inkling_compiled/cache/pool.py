@@ -111,9 +111,9 @@ class StatePool:
     EFFECTS = ("reset_slot", "clear_block_row", "restore_checkpoint")
 
     def mark_sizes_dynamic(self) -> None:
-        """The pool's sizes (slots, cache rows, block-table width) become symbols in a compiled step, so
-        that its graph, and inductor's cache of it, fits any `max_batch_size`, `num_pages` and
-        `max_model_len`. Per-layer widths, the window and the ring's length per slot stay static.
+        """The pool's sizes (slots, cache rows, block-table width, prefix checkpoints) become symbols in a
+        compiled step, so that its graph, and inductor's cache of it, fits any `max_batch_size`,
+        `num_pages`, `max_model_len` and `prefix_checkpoints`. Per-layer widths, the window and the ring's length per slot stay static.
         Tensors of one kind share one symbol (`shape_id`): the compiled step takes each symbol's value
         as an argument at every call, one per symbol, not one per tensor."""
         slots = each_layer(self.conv.values(), self.intermediate_conv_window.values()) + [self.block_table]
@@ -122,6 +122,10 @@ class StatePool:
             for t in tensors:
                 _mark_size(t, 0, name)
         _mark_size(self.block_table, 1, "pool pages per slot")
+        for t in self.conv_checkpoints.values():  # [layers, checkpoints, K-1, D]: an extend step writes them
+            _mark_size(t, 1, "pool checkpoints")
+        for t in self.ring_checkpoints:  # [layers, checkpoints x ring, ...]
+            _mark_size(t, 1, "pool checkpoint ring rows")
 
     # ---- ownership ------------------------------------------------------------------------------
 
