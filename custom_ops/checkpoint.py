@@ -17,13 +17,15 @@ import torch
 from .library import define
 
 
-def sconv_checkpoint_reference(x: torch.Tensor, state: torch.Tensor, saved: torch.Tensor,
+def sconv_checkpoint_reference(x: torch.Tensor, state: torch.Tensor, saved: torch.Tensor, layer: int,
                                cache_indices: torch.Tensor, has_initial_state: torch.Tensor,
                                query_start_loc: torch.Tensor, checkpoint_rows: torch.Tensor,
                                checkpoint_ends: torch.Tensor, checkpoint_indices: torch.Tensor) -> None:
     """x [T, D] a stream's packed conv inputs (fp32), state [slots, K-1, D] its slot windows before the
-    step, saved [checkpoints, K-1, D]. Checkpoint i of row r = checkpoint_rows[i] saves, in
-    saved[checkpoint_indices[i]], the K-1 inputs before packed token checkpoint_ends[i]: the row's own
+    step, saved [layers, checkpoints, K-1, D] the stream's checkpoints of every layer (the whole tensor,
+    not a layer's view: several ops mutating views of one tensor are not safe to compile). Checkpoint i
+    of row r = checkpoint_rows[i] saves, in saved[layer, checkpoint_indices[i]], the K-1 inputs before
+    packed token checkpoint_ends[i]: the row's own
     tokens from query_start_loc[r] on, and before them its slot's window (zeros for a row without
     initial state)."""
     n, K1 = checkpoint_rows.shape[0], state.shape[1]
@@ -37,16 +39,17 @@ def sconv_checkpoint_reference(x: torch.Tensor, state: torch.Tensor, saved: torc
     window_at = (K1 + packed - start).clamp(0, K1 - 1)  # the window's entries before the chunk
     from_window = state[cache_indices.long()[rows][:, None], window_at]
     from_window = torch.where(has_initial_state[rows][:, None, None], from_window, 0.0)
-    saved[checkpoint_indices.long()] = torch.where(in_chunk[:, :, None], from_chunk, from_window).to(saved.dtype)
+    saved[layer, checkpoint_indices.long()] = torch.where(in_chunk[:, :, None], from_chunk, from_window).to(saved.dtype)
 
 
 def ring_checkpoint_reference(k: torch.Tensor, v: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
-                              k_saved: torch.Tensor, v_saved: torch.Tensor, query_start_loc: torch.Tensor,
+                              k_saved: torch.Tensor, v_saved: torch.Tensor, layer: int, query_start_loc: torch.Tensor,
                               positions: torch.Tensor, cache_indices: torch.Tensor, checkpoint_rows: torch.Tensor,
                               checkpoint_boundaries: torch.Tensor, checkpoint_indices: torch.Tensor,
                               ring_size: int, window: int) -> None:
     """k, v [T, nkv, hd] the chunk's keys (not yet in the ring), rings [slots*R, nkv, hd], saved
-    [checkpoints*R, nkv, hd], R = ring_size. Checkpoint i of row r saves, as a slot's ring holds them
+    [layers, checkpoints*R, nkv, hd] (every sliding layer's, as for `sconv_checkpoint`), R = ring_size.
+    Checkpoint i of row r saves, in layer `layer`, as a slot's ring holds them
     (position p at entry p % R), the `window` positions before checkpoint_boundaries[i], zero elsewhere:
     those before the chunk from the row's ring, the others from the chunk's keys."""
     n, R = checkpoint_rows.shape[0], ring_size
@@ -65,7 +68,7 @@ def ring_checkpoint_reference(k: torch.Tensor, v: torch.Tensor, k_ring: torch.Te
     into = (checkpoint_indices.long()[:, None] * R + entry).reshape(-1)
     for chunk, ring, saved in ((k, k_ring, k_saved), (v, v_ring, v_saved)):
         value = torch.where(in_chunk[:, :, None, None], chunk[at_chunk], ring[at_ring])
-        saved[into] = torch.where(kept[:, :, None, None], value, 0).to(saved.dtype).reshape(-1, *saved.shape[1:])
+        saved[layer, into] = torch.where(kept[:, :, None, None], value, 0).to(saved.dtype).reshape(-1, *saved.shape[2:])
 
 
 def _cuda(reference):
@@ -78,12 +81,12 @@ def _cuda(reference):
 
 
 sconv_checkpoint = define(
-    "sconv_checkpoint(Tensor x, Tensor state, Tensor(a!) saved, Tensor cache_indices, Tensor has_initial_state, "
+    "sconv_checkpoint(Tensor x, Tensor state, Tensor(a!) saved, int layer, Tensor cache_indices, Tensor has_initial_state, "
     "Tensor query_start_loc, Tensor checkpoint_rows, Tensor checkpoint_ends, Tensor checkpoint_indices) -> ()",
     fake=lambda *args: None, reference=sconv_checkpoint_reference, cuda=_cuda(sconv_checkpoint_reference))
 
 ring_checkpoint = define(
     "ring_checkpoint(Tensor k, Tensor v, Tensor k_ring, Tensor v_ring, Tensor(a!) k_saved, Tensor(b!) v_saved, "
-    "Tensor query_start_loc, Tensor positions, Tensor cache_indices, Tensor checkpoint_rows, "
+    "int layer, Tensor query_start_loc, Tensor positions, Tensor cache_indices, Tensor checkpoint_rows, "
     "Tensor checkpoint_boundaries, Tensor checkpoint_indices, int ring_size, int window) -> ()",
     fake=lambda *args: None, reference=ring_checkpoint_reference, cuda=_cuda(ring_checkpoint_reference))

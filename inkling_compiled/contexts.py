@@ -93,9 +93,10 @@ class PoolContext:
                                                       self.sconv_intermediate_window(layer_id, stream), layer_id, stream)
             if md.is_decode:
                 return torch.ops.inkling.sconv_decode(x32, state, weight, md.cache_indices, layer_id, stream)
-            # The prefix-cache checkpoints the step takes: the window at each boundary, before the slot's changes.
-            name, index = self.pool.layer_index(layer_id, stream)
-            torch.ops.inkling.sconv_checkpoint(x32, state, self.pool.conv_checkpoints[name][index], md.cache_indices,
+            # The prefix-cache checkpoints the step takes: the window at each boundary, before the slot's
+            # changes (the layer's transfer was awaited for `state`; this lookup does not wait again).
+            name, index = self.pool.streams.locate(layer_id, stream)
+            torch.ops.inkling.sconv_checkpoint(x32, state, self.pool.conv_checkpoints[name], index, md.cache_indices,
                                                md.has_initial_state, md.query_start_loc, md.checkpoint_rows,
                                                md.checkpoint_ends, md.checkpoint_indices)
             return torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
@@ -131,8 +132,8 @@ class PoolContext:
         md = self.metadata
         if g.sliding:
             _, index = self.pool.streams.kv_locate(layer_id)
-            k_saved, v_saved = (saved[index] for saved in self.pool.ring_checkpoints)
-            torch.ops.inkling.ring_checkpoint(k, v, k_cache, v_cache, k_saved, v_saved, md.query_start_loc, md.positions,
+            k_saved, v_saved = self.pool.ring_checkpoints
+            torch.ops.inkling.ring_checkpoint(k, v, k_cache, v_cache, k_saved, v_saved, index, md.query_start_loc, md.positions,
                                               md.cache_indices, md.checkpoint_rows, md.checkpoint_boundaries,
                                               md.checkpoint_indices, self.pool.ring_size, g.window)
         tau = self.config.log_scale(md.positions) if g.log_scaling else None

@@ -20,9 +20,6 @@ from .config import InklingConfig
 from .kv_layout import page_location, ring_location
 from .static import mark_static
 
-if typing.TYPE_CHECKING:
-    from .step_plan import Checkpoint  # which imports this module
-
 
 class PerRow(NamedTuple):
     """A field with one entry per batch row (plus `extra`)."""
@@ -335,11 +332,11 @@ class StepBuffers:
         return self.prepare_extend(prompts, [0] * len(prompts), slots, sampling)
 
     def prepare_extend(self, chunks: list[list[int]], starts: list[int], slots: list[int],
-                       sampling: list[RowSampling], checkpoints: Sequence[Checkpoint] = ()) -> StepMetadata:
+                       sampling: list[RowSampling], checkpoints: Sequence = ()) -> StepMetadata:
         """Packed chunks of prompts, each continuing its slot's state: chunk i holds the tokens at
         positions starts[i].. of its request, whose first starts[i] tokens are in the pool already (their
         conv windows in the slot, their keys in the caches). `checkpoints`: the prefix-cache checkpoints
-        the step takes on its way."""
+        the step takes on its way (`step_plan.Checkpoint`s: row, packed_start, first, boundary, index)."""
         rows = len(slots)
         if len(checkpoints) > self.prefill_region.checkpoints:
             raise ValueError(f"step takes {len(checkpoints)} checkpoints; the metadata buffers were sized for "

@@ -293,12 +293,12 @@ def op_samples():
             torch.randn(5, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g),
             torch.randn(5, 4, 6, generator=g), tau, torch.tensor([0, 3, 5]), torch.tensor([0, 6, 9]), window, 6)
     yield torch.ops.inkling.sconv_checkpoint.default, (
-        torch.randn(5, 8, generator=g), pool[0], torch.zeros(4, 3, 8), idx, torch.tensor([True, False]),
+        torch.randn(5, 8, generator=g), pool[0], torch.zeros(2, 4, 3, 8), 1, idx, torch.tensor([True, False]),
         torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2, 5]),
         torch.tensor([1, 3]))
     yield torch.ops.inkling.ring_checkpoint.default, (
         torch.randn(5, 2, 4, generator=g), torch.randn(5, 2, 4, generator=g), torch.randn(18, 2, 4, generator=g),
-        torch.randn(18, 2, 4, generator=g), torch.zeros(12, 2, 4), torch.zeros(12, 2, 4),
+        torch.randn(18, 2, 4, generator=g), torch.zeros(2, 12, 2, 4), torch.zeros(2, 12, 2, 4), 1,
         torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([7, 8, 9, 0, 1]), torch.tensor([1, 2], dtype=torch.int32),
         torch.tensor([0, 1], dtype=torch.int32), torch.tensor([9, 2]), torch.tensor([0, 1]), 6, 4)
     yield torch.ops.inkling.moe_experts.default, (
@@ -559,7 +559,7 @@ def test_sconv_checkpoint_saves_each_boundarys_window_as_a_plain_loop_does():
     g = torch.Generator().manual_seed(41)
     K1, D = 3, 5
     x, state = torch.randn(20, D, generator=g), torch.randn(6, K1, D, generator=g)
-    saved = torch.randn(8, K1, D, generator=g)
+    saved = torch.randn(2, 8, K1, D, generator=g)  # [layers, checkpoints, K-1, D]: layer 1's are written
     slots, has_initial = torch.tensor([4, 1, 2], dtype=torch.int32), torch.tensor([True, False, True])
     qsl = torch.tensor([0, 6, 15, 20], dtype=torch.int32)
     rows, ends, indices = torch.tensor([0, 0, 1, 2], dtype=torch.int32), torch.tensor([1, 6, 9, 17]), torch.tensor([3, 7, 1, 5])
@@ -567,12 +567,12 @@ def test_sconv_checkpoint_saves_each_boundarys_window_as_a_plain_loop_does():
     for r, e, i in zip(rows.tolist(), ends.tolist(), indices.tolist()):
         before = state[slots[r]] if has_initial[r] else torch.zeros(K1, D)
         inputs = torch.cat([before, x[qsl[r]:e]])
-        want[i] = inputs[-K1:]
+        want[1, i] = inputs[-K1:]
     got = saved.clone()
-    torch.ops.inkling.sconv_checkpoint(x, state, got, slots, has_initial, qsl, rows, ends, indices)
+    torch.ops.inkling.sconv_checkpoint(x, state, got, 1, slots, has_initial, qsl, rows, ends, indices)
     assert torch.equal(got, want)
     empty = torch.empty(0, dtype=torch.int64)
-    torch.ops.inkling.sconv_checkpoint(x, state, got, slots, has_initial, qsl, empty.int(), empty, empty)
+    torch.ops.inkling.sconv_checkpoint(x, state, got, 1, slots, has_initial, qsl, empty.int(), empty, empty)
     assert torch.equal(got, want)
 
 
@@ -588,14 +588,15 @@ def test_ring_checkpoint_saves_the_window_before_each_boundary_as_a_plain_loop_d
     positions = torch.cat([torch.arange(20, 30), torch.arange(0, 20)])  # row 0 continues at 20, row 1 starts
     rows, boundaries, indices = (torch.tensor([0, 0, 1, 1], dtype=torch.int32), torch.tensor([21, 30, 5, 16]),
                                  torch.tensor([2, 0, 3, 1]))
-    k_saved, v_saved = torch.randn(4 * R, nkv, hd, generator=g), torch.randn(4 * R, nkv, hd, generator=g)
+    k_saved, v_saved = torch.randn(3, 4 * R, nkv, hd, generator=g), torch.randn(3, 4 * R, nkv, hd, generator=g)
     want = [k_saved.clone(), v_saved.clone()]
     for r, b, i in zip(rows.tolist(), boundaries.tolist(), indices.tolist()):
         first, start = int(positions[qsl[r]]), int(qsl[r])
         for saved, chunk, ring in zip(want, (k, v), (k_ring, v_ring)):
-            saved[i * R:(i + 1) * R] = 0
+            saved[2, i * R:(i + 1) * R] = 0  # layer 2's; the others stay as they were
             for p in range(max(0, b - W), b):
-                saved[i * R + p % R] = ring[slots[r] * R + p % R] if p < first else chunk[start + p - first]
+                saved[2, i * R + p % R] = ring[slots[r] * R + p % R] if p < first else chunk[start + p - first]
     got = [k_saved.clone(), v_saved.clone()]
-    torch.ops.inkling.ring_checkpoint(k, v, k_ring, v_ring, *got, qsl, positions, slots, rows, boundaries, indices, R, W)
+    torch.ops.inkling.ring_checkpoint(k, v, k_ring, v_ring, *got, 2, qsl, positions, slots, rows, boundaries, indices, R,
+                                      W)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

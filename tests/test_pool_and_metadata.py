@@ -157,7 +157,7 @@ def test_every_conv_of_a_step_reads_the_one_metadata_object_and_its_own_pool_sli
         assert {(c[3], c[4]): c[2] for c in recorder.calls} == want  # each conv its own (layer, stream) slice
         objects.add(id(md))
         fields = {name: getattr(md, name) for name in BUFFER_SPECS}
-        for t in fields.values():  # every tensor field lies in the one static buffer
+        for t in (t for t in fields.values() if t.numel()):  # every field with entries lies in the one static buffer
             assert buffer.data_ptr() <= t.data_ptr() < buffer.data_ptr() + buffer.numel()
         # and the same shape of step finds its fields where the last one did
         assert addresses in (None, {n: t.data_ptr() for n, t in fields.items()})

@@ -53,7 +53,9 @@ def naive_metadata(rows: list[int], slots: list[int], positions: list[int]) -> S
         global_kv_loc=pos.clone(), sliding_kv_loc=pos.clone(), last_token_index=torch.arange(n),
         temperature=torch.zeros(n), top_k=torch.zeros(n, dtype=torch.int64), top_p=torch.ones(n),
         seed=torch.zeros(n, dtype=torch.int64), sample_counter=torch.zeros(n, dtype=torch.int64),
-        drafted=torch.zeros(n, dtype=torch.int64))
+        drafted=torch.zeros(n, dtype=torch.int64), checkpoint_rows=torch.zeros(0, dtype=torch.int32),
+        checkpoint_ends=torch.zeros(0, dtype=torch.int64), checkpoint_boundaries=torch.zeros(0, dtype=torch.int64),
+        checkpoint_indices=torch.zeros(0, dtype=torch.int64))
 
 
 def host_peak_bytes(fn) -> int:

@@ -4,6 +4,7 @@ large GEMM, as `roofline` measures it).
 
     OMP_NUM_THREADS=1 python tools/bench_ttft.py [--config small] [--lengths 128 512 1024 2048]
                                                  [--chunks 256 0]   (0: the whole prompt in one chunk)
+                                                 [--eager-extend]   (prefill eagerly, to compare)
 
 TTFT is the median of three `generate(max_new_tokens=1)` calls on fresh prompts (no prefix-cache hit),
 after one untimed; transformers' the median of three forwards. Nothing here asserts a speed.
@@ -40,6 +41,7 @@ def main() -> None:
     p.add_argument("--lengths", nargs="+", type=int, default=[128, 512, 1024, 2048])
     p.add_argument("--chunks", nargs="+", type=int, default=[256, 0],
                    help="prefill_chunk_tokens of each engine measured (0: one chunk for the longest prompt)")
+    p.add_argument("--eager-extend", action="store_true", help="prefill eagerly (compile_extend=False), to compare")
     args = p.parse_args()
     from transformers import InklingForCausalLM
 
@@ -50,7 +52,8 @@ def main() -> None:
         path = build_tiny_checkpoint(Path(tmp) / args.config, args.config)
         hf = InklingForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         engines = {c: Engine.from_pretrained(path, max_batch_size=1, max_model_len=longest + 2, progress=False,
-                                             prefill_chunk_tokens=c or longest) for c in args.chunks}
+                                             prefill_chunk_tokens=c or longest, compile_extend=not args.eager_extend)
+                   for c in args.chunks}
         one = SamplingParams(max_new_tokens=1, ignore_eos=True)
         print("| prompt tokens | transformers ms | " + " | ".join(
             f"engine, chunks of {c or 'the prompt'}: ms | x transformers | of the roof" for c in args.chunks) + " |")
