@@ -81,8 +81,9 @@ def _cuda(reference):
 
 
 sconv_checkpoint = define(
-    "sconv_checkpoint(Tensor x, Tensor state, Tensor(a!) saved, int layer, Tensor cache_indices, Tensor has_initial_state, "
-    "Tensor query_start_loc, Tensor checkpoint_rows, Tensor checkpoint_ends, Tensor checkpoint_indices) -> ()",
+    "sconv_checkpoint(Tensor x, Tensor state, Tensor(a!) saved, int layer, Tensor cache_indices, "
+    "Tensor has_initial_state, Tensor query_start_loc, Tensor checkpoint_rows, Tensor checkpoint_ends, "
+    "Tensor checkpoint_indices) -> ()",
     fake=lambda *args: None, reference=sconv_checkpoint_reference, cuda=_cuda(sconv_checkpoint_reference))
 
 ring_checkpoint = define(

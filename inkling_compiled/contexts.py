@@ -22,7 +22,6 @@ from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
 from .attention import attend_from_scratch
 from .cache import StatePool
 from .config import InklingConfig, LayerGeometry
-from .kv_layout import page_location, ring_location
 from .custom_ops.reference import packed_causal_conv
 from .metadata import StepMetadata
 from .nvtx import nvtx_range
@@ -133,9 +132,10 @@ class PoolContext:
         if g.sliding:
             _, index = self.pool.streams.kv_locate(layer_id)
             k_saved, v_saved = self.pool.ring_checkpoints
-            torch.ops.inkling.ring_checkpoint(k, v, k_cache, v_cache, k_saved, v_saved, index, md.query_start_loc, md.positions,
-                                              md.cache_indices, md.checkpoint_rows, md.checkpoint_boundaries,
-                                              md.checkpoint_indices, self.pool.ring_size, g.window)
+            torch.ops.inkling.ring_checkpoint(k, v, k_cache, v_cache, k_saved, v_saved, index, md.query_start_loc,
+                                              md.positions, md.cache_indices, md.checkpoint_rows,
+                                              md.checkpoint_boundaries, md.checkpoint_indices, self.pool.ring_size,
+                                              g.window)
         tau = self.config.log_scale(md.positions) if g.log_scaling else None
         return torch.ops.inkling.cached_extend_attention(
             q, k, v, k_cache, v_cache, table, tau, md.query_start_loc, md.positions, md.cache_indices,

@@ -145,8 +145,9 @@ def _entries(spec: PerRow | PerToken | PerCheckpoint, rows: int, tokens: int, ch
 class FieldRegion:
     """Every metadata field, for up to `rows` rows, `tokens` tokens and `checkpoints` checkpoints, at a
     fixed offset in one byte buffer (per-token fields last, so a small step's fields end early): one
-    host-to-device copy moves a step. On CPU the host side is the buffer itself. Elsewhere it is a host copy (pinned on CUDA), copied
-    with one non-blocking copy; an event makes the next prep wait until that copy has read it."""
+    host-to-device copy moves a step. On CPU the host side is the buffer itself. Elsewhere it is a host
+    copy (pinned on CUDA), copied with one non-blocking copy; an event makes the next prep wait until that
+    copy has read it."""
 
     def __init__(self, rows: int, tokens: int, device: torch.device, staged: bool | None = None,
                  checkpoints: int = 0):

@@ -259,7 +259,8 @@ class Runner:
     def _range_name(plan: StepPlan, compiled: bool) -> str:
         """The NVTX range of the forward (`profile.py` finds decode replays by theirs)."""
         if plan.kind is StepKind.EXTEND:
-            return f"prefill {plan.rows} rows, {sum(len(t) for t in plan.tokens)} tokens" + ("" if compiled else " (eager)")
+            tokens = sum(len(t) for t in plan.tokens)
+            return f"prefill {plan.rows} rows, {tokens} tokens" + ("" if compiled else " (eager)")
         if not compiled:
             return f"{plan.kind.value} {plan.rows} rows (eager)"
         prefix = "replay" if plan.kind is StepKind.DECODE else "verify replay"

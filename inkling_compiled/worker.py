@@ -48,7 +48,8 @@ class Worker:
                  compile_backend: str = "inductor", compile_mode: str | None = None,
                  compile_cache_dir: str | Path | None = None, cpp_wrapper: bool | None = None,
                  graph_per_bucket: bool = False, specialize_batch_one: bool = False, compile_package: bool = True,
-                 compile_extend: bool = True, layer_transfer: bool = False, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
+                 compile_extend: bool = True, layer_transfer: bool = False, prefix_cache: bool = True,
+                 prefix_checkpoints: int | None = None,
                  state_memory_bytes: int | None = None, draft_tokens: int = 0, with_hidden: bool = False,
                  tensor_parallel: bool = False):
         config = model.config
