@@ -105,8 +105,10 @@ class Worker:
                 buffers.symbolic_batch["verify"] = None if verifier.load_package() else verifier.symbolic_batch
                 verifier.on_unpackage = lambda: buffers.mark_for_tracing("verify", verifier.symbolic_batch)
             if compile_extend and not tensor_parallel:
-                steps[StepKind.EXTEND] = self._extend_step(options, compile_mode,
-                                                           None if key is None else (*key, "extend"))
+                # Whether the pool keeps checkpoints is in the extend step's key: without them their
+                # tensors have no rows, a size the saved graph would keep.
+                extend_key = None if key is None else (*key, "extend", self.pool.checkpoints.capacity > 0)
+                steps[StepKind.EXTEND] = self._extend_step(options, compile_mode, extend_key)
         self.runner = Runner(model, self.backend, steps, with_hidden)
         # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
         self.torch_state = PinnedTorchState()

@@ -249,3 +249,23 @@ def test_the_extend_step_is_saved_and_loaded_beside_the_decode_step(checkpoint, 
     assert "refused its first inputs" in caplog.text and not refused.worker.extender.packaged
     assert refused.worker.backend.buffers.symbolic_extend and traced_frames() == frames + 1
     assert_decodes_as_eager(refused, checkpoint, max_batch_size=4)
+
+
+def test_engines_with_and_without_the_prefix_cache_keep_extend_packages_of_their_own(checkpoint):
+    """Without the prefix cache the pool's checkpoint tensors have no rows, a size (and a stride) a saved
+    extend graph would keep: its key says whether there are checkpoints, so neither kind of engine loads
+    the other's (the decode step, which never reads them, stays shared), and each prefills as the eager
+    engine does, prefix hits included."""
+    without = engine(checkpoint, max_batch_size=2, prefix_cache=False)
+    cached = engine(checkpoint, max_batch_size=4)
+    assert without.worker.extender.package_path != cached.worker.extender.package_path
+    assert without.worker.decoder.package_path == cached.worker.decoder.package_path
+    system = random_prompt(20, seed=60)
+    prompts = [system + random_prompt(4, seed=61 + i) for i in range(3)]
+    want = engine(checkpoint, compile=False, max_batch_size=4).generate(prompts, GREEDY)
+    for compiled in (without, cached):
+        got = compiled.generate(prompts[:1], GREEDY) + compiled.generate(prompts[1:], GREEDY)
+        assert [g.cached_tokens for g in got] == ([0, 0, 0] if compiled is without else [0, 16, 16])
+        for w, g in zip(want, got):
+            assert g.token_ids == w.token_ids
+            assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4

@@ -82,7 +82,7 @@ class StatePool:
         # Index 0 is unused (the allocator hands out 1..checkpoints).
         C = checkpoints
         rows = C + 1 if C else 0
-        # Stacked `[L, ...]`: only eager code (prefill, the host tier) reads them.
+        # Stacked `[L, ...]`: the extend step's checkpoint ops write a layer of one, the host tier copies them.
         self.conv_checkpoints = {name: torch.zeros(len(ts), rows, *ts[0].shape[1:], dtype=torch.float32, device=device)
                                  for name, ts in self.conv.items()}
         self.ring_checkpoints = [torch.zeros(len(ts), rows * R, *ts[0].shape[1:], dtype=dtype, device=device)
