@@ -65,7 +65,8 @@ def _quantize(args) -> int:
 def _engine_args(args):
     buckets = tuple(args.buckets) if args.buckets else (args.max_batch_size,) if getattr(args, "one_bucket", False) \
         else None
-    return dict(device=args.device, dtype=args.dtype, compile=args.compile, max_batch_size=args.max_batch_size,
+    return dict(device=args.device, dtype=args.dtype, compile=args.compile, compile_extend=args.compile_extend,
+                max_batch_size=args.max_batch_size,
                 buckets=buckets, compile_backend=args.compile_backend,
                 prefill_chunk_tokens=args.prefill_chunk_tokens, prefix_cache=args.prefix_cache,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
@@ -473,6 +474,8 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
                         "row (default: as the checkpoint is; an int8 checkpoint loads as int8)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="decode through the compiled decode graph (--no-compile: the eager path)")
+    p.add_argument("--compile-extend", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill through the one compiled extend graph too (--no-compile-extend: prefill eagerly)")
     p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager", "aot_eager", "tensorrt"],
                    help="torch.compile backend of the decode graphs")
     p.add_argument("--max-batch-size", type=positive_int, default=max_batch_size,

@@ -97,6 +97,23 @@ def test_generated_text_reaches_the_terminal_escaped():
     assert printable("ok\x1b[31m red\x07\nnext\tcol") == "ok\\x1b[31m red\\x07\nnext\tcol"
 
 
+def test_no_compile_extend_prefills_eagerly(checkpoint, monkeypatch):
+    """--no-compile-extend reaches the engine: its compiled steps are decode's alone."""
+    from inkling_compiled.engine import Engine
+
+    built, real = [], Engine.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        built.append(real(cls, *args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(spy))
+    for flag in ("--compile-extend", "--no-compile-extend"):
+        assert main(["generate", "--model", str(checkpoint("tiny")), "--prompt", "5,6,7", "--token-ids",
+                     "--max-new-tokens", "2", "--compile-backend", "eager", flag]) == 0
+    assert [e.worker.extender is not None for e in built] == [True, False]
+
+
 def test_every_option_has_help_and_shows_its_default(capsys):
     from inkling_compiled.cli import build_parser
 
