@@ -85,11 +85,14 @@ def chunk_keys(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keys, values, key_start_loc) as `extend_attention` takes them: each row's history as the cache
     holds it before the chunk is written (every earlier position of a global layer, the last window-1 of
-    a sliding layer's ring when `window` > 0), then the chunk's own keys."""
+    a sliding layer's ring when `window` > 0), then the chunk's own keys. Chunks that all start their
+    prompts (the common case) have no history: their keys are the chunk's, and nothing is gathered."""
     qs = query_start_loc.long()
     T, rows = k.shape[0], qs.shape[0] - 1
     lens = qs[1:] - qs[:-1]
     firsts = torch.where(lens > 0, positions[qs[:-1].clamp(max=max(T - 1, 0))], 0) if T else lens
+    if not firsts.any():
+        return k, v, qs
     history = firsts.clamp(max=window - 1) if window > 0 else firsts
     per_row = history + lens
     key_start_loc = torch.zeros(rows + 1, dtype=torch.long, device=k.device)
@@ -101,10 +104,8 @@ def chunk_keys(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache:
     slot = cache_indices.long()[row]
     loc = ring_location(slot, pos, ring_size) if window > 0 else page_location(block_table, slot, pos, page_size).long()
     at_cache = torch.where(cached, loc, 0)
-    at_chunk = torch.where(cached, 0, qs[:-1][row] + offset - history[row]).clamp(max=max(T - 1, 0))
+    at_chunk = torch.where(cached, 0, qs[:-1][row] + offset - history[row]).clamp(max=T - 1)  # T > 0 here
     keep = cached[:, None, None]
-    if T == 0:
-        return k_cache[at_cache], v_cache[at_cache], key_start_loc
     return (torch.where(keep, k_cache[at_cache], k[at_chunk]), torch.where(keep, v_cache[at_cache], v[at_chunk]),
             key_start_loc)
 
@@ -126,18 +127,10 @@ def cached_extend_attention_reference(q, k, v, k_cache, v_cache, table, tau, que
                                                   window, rel_extent)
 
 
-def cached_extend_attention_cpu(q, k, v, k_cache, v_cache, table, tau, query_start_loc, positions, *rest
-                                ) -> torch.Tensor:
-    """The reference's gather, with the C++ (or whichever CPU) kernels of `kv_write` and `extend_attention`;
-    chunks that all start their prompts (no history: the common case) skip the gather."""
-    attend, write = torch.ops.inkling.extend_attention.default, torch.ops.inkling.kv_write.default
-    firsts = positions[query_start_loc[:-1].long().clamp(max=max(positions.shape[0] - 1, 0))]
-    if positions.shape[0] and not firsts.any():
-        *_, kv_locations, _, _, _, window, rel_extent = rest
-        write(k_cache, v_cache, k, v, kv_locations)
-        return attend(q, k, v, table, tau, query_start_loc, query_start_loc, window, rel_extent)
-    return cached_extend_attention_reference(q, k, v, k_cache, v_cache, table, tau, query_start_loc, positions, *rest,
-                                             attend=attend, write=write)
+def cached_extend_attention_cpu(*args) -> torch.Tensor:
+    """The reference's gather, with the C++ (or whichever CPU) kernels of `kv_write` and `extend_attention`."""
+    return cached_extend_attention_reference(*args, attend=torch.ops.inkling.extend_attention.default,
+                                             write=torch.ops.inkling.kv_write.default)
 
 
 cached_extend_attention = define(

@@ -180,8 +180,9 @@ class Engine:
         extender = self.worker.extender
         extend_note = "; 1 extend graph for every chunk" if extender is not None and extender.graphs() else ""
         source = " (loaded from its compile package: nothing compiled)" if decoder.loaded else ""
-        stages.finish(f"decode step ready: {len(decoder.graphs())} graph(s){verify_note} for buckets "
-                      f"{', '.join(map(str, sorted(decoder.graph_of)))}{extend_note} in {time.perf_counter() - t0:.1f} s{source}")
+        buckets = ", ".join(map(str, sorted(decoder.graph_of)))
+        stages.finish(f"decode step ready: {len(decoder.graphs())} graph(s){verify_note} for buckets {buckets}"
+                      f"{extend_note} in {time.perf_counter() - t0:.1f} s{source}")
         return seconds
 
     # ---- requests ---------------------------------------------------------------------------------

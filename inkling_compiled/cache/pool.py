@@ -113,7 +113,8 @@ class StatePool:
     def mark_sizes_dynamic(self) -> None:
         """The pool's sizes (slots, cache rows, block-table width, prefix checkpoints) become symbols in a
         compiled step, so that its graph, and inductor's cache of it, fits any `max_batch_size`,
-        `num_pages`, `max_model_len` and `prefix_checkpoints`. Per-layer widths, the window and the ring's length per slot stay static.
+        `num_pages`, `max_model_len` and `prefix_checkpoints`. Per-layer widths, the window and the ring's
+        length per slot stay static.
         Tensors of one kind share one symbol (`shape_id`): the compiled step takes each symbol's value
         as an argument at every call, one per symbol, not one per tensor."""
         slots = each_layer(self.conv.values(), self.intermediate_conv_window.values()) + [self.block_table]
