@@ -112,6 +112,8 @@ class Engine:
                                    logits_vocab_size=config.logits_vocab_size, drafter_needs_hidden=needs_hidden)
         if self.drafter is not None:
             self.drafter.attach(self.worker.pool, self.max_model_len)
+            if self.worker.step_options is not None and hasattr(self.drafter, "compile"):
+                self.drafter.compile(self.worker.step_options, pinned=self.worker.torch_state.pinned)
         self._lock = threading.RLock()
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -171,12 +173,17 @@ class Engine:
                 self._check_open()
             try:
                 seconds = self.worker.warm_up(buckets, progress=stages)
+                if self.drafter is not None and hasattr(self.drafter, "warm_up"):
+                    draft = self.drafter.warm_up(progress=stages, buckets=buckets)
+                    seconds = {b: s + draft.get(b, 0.0) for b, s in seconds.items()}
             except BaseException as e:
                 if self.worker.ranks is not None and not isinstance(e, OptionError):  # the ranks are inside warm-up
                     self._raise_stopped([], e)
                 raise
         verifier = self.worker.verifier
         verify_note = f" and {len(verifier.graphs())} verify graph(s)" if verifier is not None else ""
+        drafting = getattr(self.drafter, "compiled", None)
+        verify_note += f", {len(drafting.graphs())} MTP draft graph(s)" if drafting is not None else ""
         extender = self.worker.extender
         extend_note = "; 1 extend graph for every chunk" if extender is not None and extender.graphs() else ""
         source = " (loaded from its compile package: nothing compiled)" if decoder.loaded else ""

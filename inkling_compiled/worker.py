@@ -81,10 +81,14 @@ class Worker:
         self.draft_tokens = draft_tokens
         compile_package = option_bool("compile_package", compile_package)
         steps: dict[StepKind, CompiledStep | None] = {kind: None for kind in StepKind}
+        # How this engine compiles a step (None: eager), for a drafter that compiles its own steps alike.
+        self.step_options: dict | None = None
         if compile:
             options = dict(device=device, buckets=bucket_sizes, compile_backend=compile_backend, mode=compile_mode,
                            cache_dir=compile_cache_dir, cpp_wrapper=False if tensor_parallel else cpp_wrapper,
                            guarded_sources=DecodeStep.GUARDED_SOURCES)
+            self.step_options = {**options, "graph_per_bucket": graph_per_bucket,
+                                 "specialize_batch_one": specialize_batch_one}
             # The decode step saved whole in the compile cache, for later processes to load instead of
             # tracing (graphs/package.py); not under tensor parallelism or with a HiCache barrier.
             key = self.package_key() if compile_package and not tensor_parallel and not layer_transfer else None

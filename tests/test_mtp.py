@@ -19,6 +19,13 @@ transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(max_new_tokens=12, logprobs=True, ignore_eos=True)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def hf_mtp_logits(hf, folder, tokens: list[int], depths: int) -> list[torch.Tensor]:
     """inkling-mtp.md §3 step by step, with transformers' modules: depth m over positions 0..n-1-m takes
     prev (h for m=1, else depth m-1's output) and the trunk-normed embedding of x_{q+m}, fuses
@@ -87,13 +94,21 @@ def _trunk_hidden(model, tokens):
         return model.hidden_states(torch.tensor(tokens), _full(model, len(tokens)))
 
 
-def test_drafts_equal_the_recipe_from_scratch(checkpoint):
-    """The drafter's per-depth state (extended only over known tokens, missing positions run on the side)
-    gives the drafts the head computes over the whole sequence from scratch: after the prefill and after
-    several verify steps, for every depth."""
+def _compile_drafter(engine, backend, buckets):
+    """The drafter's step compiled on its own (the engine's target stays eager: quick to build)."""
+    return engine.drafter.compile(dict(device="cpu", buckets=buckets, compile_backend=backend))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_drafts_equal_the_recipe_from_scratch(compiled, checkpoint, fresh_dynamo):
+    """The drafter's per-depth state (taken in only over known tokens, drafts run on top of it) gives the
+    drafts the head computes over the whole sequence from scratch: after the prefill and after several
+    verify steps, for every depth, with the draft step run eagerly and as inductor's graph."""
     K = 4
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, max_model_len=96,
                                     speculative="mtp", num_speculative_tokens=K, progress=False)
+    if compiled:
+        _compile_drafter(engine, "inductor", (1, 2))
     engine.drafter.extend_chunk = 5  # a prompt taken in over several calls per depth
     prompts = [random_prompt(9, seed=70), random_prompt(14, seed=71)]
     for p in prompts:
@@ -108,6 +123,42 @@ def test_drafts_equal_the_recipe_from_scratch(checkpoint):
             logits = head.forward_sequence(model, _trunk_hidden(model, sequence), torch.tensor(sequence))
             anchor = len(known) - 2
             assert drafts == [logits[m][anchor].argmax().item() for m in range(K)], (step, req.request_id)
+
+
+def test_one_symbolic_draft_graph_no_breaks_and_a_full_census(checkpoint, fresh_dynamo):
+    """K=2: one draft graph with a symbolic batch serves buckets 2 and 4: each depth's convs as sconv_verify
+    (none decodes or extends), one kv_write per depth, zero graph breaks; replays of 3 rows and of 1 (padded)
+    never recompile, and MTP decoding stays plain decoding's tokens."""
+    from inkling_compiled.graphs import GraphRecorder, census
+    from inkling_compiled.streams import STREAM_NAMES
+
+    from conftest import has_symbolic_batch
+
+    K = 2
+    prompts = [random_prompt(6 + 3 * i, seed=60 + i) for i in range(3)]
+    want = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, progress=False).generate(
+        prompts, GREEDY)
+    torch._dynamo.utils.counters.clear()
+    recorder = GraphRecorder("eager")
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=4, progress=False,
+                                    speculative="mtp", num_speculative_tokens=K)
+    drafting = _compile_drafter(engine, recorder, (2, 4))
+    engine.drafter.warm_up()
+    assert drafting.graphs() == [(2, 4)] and len(recorder.graphs) == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    gm = recorder.graphs[0]
+    assert has_symbolic_batch(gm)
+    c = census(gm)
+    calls = sorted((x["layer"], x["stream"]) for x in c["custom_calls"] if x["op"] == "inkling::sconv_verify")
+    assert calls == sorted((depth, s) for depth in range(K) for s in STREAM_NAMES)
+    assert c["sconv_calls"] == 4 * K and c["ops"]["inkling::kv_write"] == K
+    assert "inkling::sconv_decode" not in c["ops"] and "inkling::sconv_extend" not in c["ops"]
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    outs = engine.generate(prompts, GREEDY)
+    engine.generate([prompts[0]], GREEDY)  # one row, in bucket 2
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+    assert engine.stats()["spec_proposed"] > 0
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])

@@ -8,116 +8,46 @@ full Inkling decoder layer (dense MLP; sliding where `mtp_local_layer_ids` says,
 `chain_norm` when the checkpoint has one, and predicts x_{q+m+1} with the trunk's lm_head(out / mup).
 The next depth chains on that output. Each depth has its own conv windows and keys.
 
-`MtpDrafter` keeps every depth's state exact: a depth's state at position q is extended only once the
-token it consumes there, x_{q+m}, is known for certain, so depth m lags the sequence by m positions.
-To draft from anchor P-1 (P: position of the newest token) each depth runs its missing positions with
-the drafts it needs, reading its state and writing none of it.
+`MtpDrafter` keeps every depth's state exact: a depth takes in a position for good only once the token
+it consumes there, x_{q+m}, is known for certain, so depth m lags the sequence by m positions. Its state
+lives in a pool of its own, and drafting is one draft step over static buffers for a batch of rows
+(`mtp_step.py`: compiled with the engine, one graph for every bucket). A request's first positions (its
+prompt, after prefill) are taken in by extend forwards over the same pool, in chunks, once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+from typing import Callable
 
 import torch
 
-from ..attention import attend
-from ..config import InklingConfig, LayerGeometry
-from ..custom_ops.reference import packed_causal_conv
+from ..backend import StepBackend
+from ..cache.pool import each_layer
 from ..errors import OptionError
+from ..graphs import Buckets, CompiledStep
+from ..metadata import GREEDY_PAD
 from ..model import MtpHead
-from ..streams import MODEL_STREAMS
+from ..static import mark_static
 from .drafter import Drafter
-
-
-@dataclasses.dataclass
-class _Rows:
-    """One packed call of one depth: per row its slot, first position and token count."""
-
-    slots: list[int]
-    firsts: list[int]
-    counts: list[int]
-
-
-class DepthState:
-    """One depth's state for every slot: conv windows per model stream `[slots, K-1, D]` and keys and values
-    by position `[slots, max_len, nkv, hd]` (dense per slot: the head is one layer, its keys are few)."""
-
-    def __init__(self, geometry: LayerGeometry, config: InklingConfig, slots: int, max_len: int, dtype, device):
-        K, H = config.conv_kernel_size, config.hidden_size
-        widths = {0: geometry.kv_width, 1: geometry.kv_width, 2: H, 3: H}
-        self.conv = {s: torch.zeros(slots, K - 1, widths[s], dtype=torch.float32, device=device)
-                     for s in MODEL_STREAMS}
-        shape = (slots, max_len, geometry.num_kv_heads, geometry.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-
-    def clear(self, slot: int) -> None:
-        for t in self.conv.values():
-            t[slot].zero_()
-
-
-class DepthContext:
-    """The forward context of one depth over packed rows, each continuing its slot's history from the row's
-    first position. With `persist` the rows' conv windows and keys enter the state; without, the call
-    reads the state and changes nothing (a draft run). Eager only."""
-
-    def __init__(self, state: DepthState, config: InklingConfig, rows: _Rows, starts: list[int], persist: bool):
-        self.state, self.config, self.rows, self.starts, self.persist = state, config, rows, starts, persist
-        device = state.keys.device
-        counts = torch.tensor(rows.counts, device=device)
-        offsets = torch.tensor(list(itertools.accumulate([0] + rows.counts[:-1])), device=device)
-        self.row_of_token = torch.repeat_interleave(torch.arange(len(rows.counts), device=device), counts)
-        self.seq_start = offsets[self.row_of_token]
-        self.positions = torch.cat([torch.arange(f, f + n, device=device) for f, n in zip(rows.firsts, rows.counts)])
-        self.slots = torch.tensor(rows.slots, dtype=torch.long, device=device)
-        self.spans = list(zip(offsets.tolist(), (offsets + counts).tolist()))
-
-    def enter_layer(self, layer_id: int) -> None:
-        """The head's state is the drafter's own: nothing to wait for."""
-
-    def short_conv(self, x32: torch.Tensor, weight: torch.Tensor, layer_id: int, stream: int) -> torch.Tensor:
-        windows = self.state.conv[stream]
-        history = windows[self.slots]  # [rows, K-1, D]
-        y = packed_causal_conv(x32, weight, self.seq_start, history, self.row_of_token)
-        if self.persist:
-            K = weight.shape[1]
-            for row, (start, end) in enumerate(self.spans):
-                windows[self.slots[row]] = torch.cat([history[row], x32[start:end]])[-(K - 1):]
-        return y
-
-    def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
-        table = r @ rel_proj
-        outs = []
-        for row, (start, end) in enumerate(self.spans):
-            slot, first, begin = self.rows.slots[row], self.rows.firsts[row], self.starts[row]
-            if g.sliding:
-                begin = max(begin, first - g.window + 1)
-            keys = torch.cat([self.state.keys[slot, begin:first], k[start:end]])
-            values = torch.cat([self.state.values[slot, begin:first], v[start:end]])
-            if self.persist:
-                self.state.keys[slot, first:first + end - start] = k[start:end]
-                self.state.values[slot, first:first + end - start] = v[start:end]
-            pos = self.positions[start:end]
-            k_pos = torch.arange(begin, first + end - start, device=q.device)
-            tau = self.config.log_scale(pos)[None] if g.log_scaling else None
-            mask = torch.ones(1, end - start, len(k_pos), dtype=torch.bool, device=q.device)
-            outs.append(attend(q[None, start:end], keys[None], values[None], table[None, start:end], q_pos=pos[None],
-                               k_pos=k_pos[None], key_mask=mask, tau=tau, window=g.window or 0,
-                               rel_extent=g.rel_extent)[0])
-        return torch.cat(outs)
+from .mtp_step import DraftInputs, DraftStep, clear_slot, draft_step, head_pool
 
 
 @dataclasses.dataclass(eq=False)
 class _Track:
-    """What the drafter knows of one request: the first position its head history covers (past a prefix
-    cache hit, the cached tokens have no target hidden), per depth the positions its state covers, and the
-    inputs waiting for each depth (level 0: the target's hidden by position; level m: depth m's output)."""
+    """What the drafter knows of one request: its slot, the first position its head history covers (past a
+    prefix-cache hit, the cached tokens have no target hidden), per depth the first position not taken in
+    yet, the target's hidden states at the positions depth 0 has not taken in, and the drafts it last made
+    (for the newest position `drafted_at`)."""
 
     slot: int
     start: int
     done: list[int]
-    pending: list[dict[int, torch.Tensor]]
+    hidden: dict[int, torch.Tensor]
+    drafted_at: int = -1
+    drafts: list[int] | None = None
 
 
 class MtpDrafter(Drafter):
@@ -125,7 +55,7 @@ class MtpDrafter(Drafter):
     is a point mass: rejection sampling stays exact). Needs the engine's hidden states."""
 
     needs_hidden = True
-    extend_chunk = 256  # positions one depth takes in per row and call (a long prompt arrives all at once)
+    extend_chunk = 256  # positions one extend forward of a depth takes in, over all its rows
 
     def __init__(self, model, num_tokens: int):
         head: MtpHead | None = getattr(model.model, "mtp", None)
@@ -137,20 +67,56 @@ class MtpDrafter(Drafter):
                               "loaded: the MTP head drafts one token per depth")
         self.model, self.head, self.num_tokens = model, head, num_tokens
         self.depths = num_tokens
-        self.states: list[DepthState] = []
+        self.tokens_per_row = 2 * num_tokens  # a draft step's row: up to K+1 certain tokens, K-1 drafts
         self.tracks: dict[object, _Track] = {}
+        self.compiled: CompiledStep | None = None
+        self.buckets = Buckets(None)  # eager until `compile` (any batch size, unpadded)
+        self.pinned: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def attach(self, pool, max_model_len: int) -> None:
-        config, weight = self.head.block_config, self.model.lm_head.weight
+        config, device, dtype = self.head.block_config, self.model.lm_head.weight.device, self.model.dtype
+        T, S = self.tokens_per_row, pool.max_slots
         self.slot_of = pool.slot_of
-        self.states = [DepthState(config.geometry(i), config, pool.max_slots + 1, max_model_len, self.model.dtype,
-                                  weight.device) for i in range(self.depths)]
+        self.pool = head_pool(config, max_slots=S, max_model_len=max_model_len, page_size=pool.page_size,
+                              tokens_per_row=T, dtype=dtype, device=device)
+        self.capacity = self.pool.max_pages_per_seq * self.pool.page_size  # positions a slot's pages hold
+        self.backends = [StepBackend(self.pool, config, max_batch_size=S, max_tokens=self.extend_chunk, device=device,
+                                     draft_tokens=T - 1) for _ in range(self.depths)]
+        self.carries = [mark_static(torch.zeros(S + 1, config.hidden_size, dtype=dtype, device=device))
+                        for _ in range(self.depths - 1)]
+        self.inputs = DraftInputs(S, T, config.hidden_size, dtype, device)
+        self.step = DraftStep(self.model, self.backends, self.carries)
+
+    def compile(self, options: dict, pinned: Callable[[], contextlib.AbstractContextManager] | None = None
+                ) -> CompiledStep:
+        """The draft step compiled with the engine's step options (`Worker.step_options`: buckets, backend,
+        mode): one graph for every bucket, as the verify step's; replays run under `pinned` (the engine's
+        torch state)."""
+        self.compiled = CompiledStep(self.step, self._prepare_padding, kind="MTP draft",
+                                     **{**options, "guarded_sources": self.step.guarded_sources})
+        self.buckets = Buckets(self.compiled.buckets)
+        for backend in self.backends:
+            backend.buffers.mark_for_tracing("verify", self.compiled.symbolic_batch)
+        self.inputs.mark_for_tracing(self.compiled.symbolic_batch)
+        self.pinned = pinned or contextlib.nullcontext
+        return self.compiled
+
+    def _prepare_padding(self, rows: int) -> None:
+        for backend in self.backends:
+            backend.prepare_verify_padding(rows)
+        self.step.prev = self.inputs.view(rows)
+
+    def warm_up(self, progress=None, buckets=None) -> dict[int, float]:
+        if self.compiled is None:
+            return {}
+        with self.pinned():
+            return self.compiled.warmup(progress=progress, buckets=buckets)
 
     def release(self, req) -> None:
         self.tracks.pop(req, None)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [t for s in self.states for t in (*s.conv.values(), s.keys, s.values)]
+        return [*self.pool.static_tensors(), *self.carries, self.inputs.buffer]
 
     # ---- what the target did ----------------------------------------------------------------------
 
@@ -159,13 +125,11 @@ class MtpDrafter(Drafter):
             track = self.tracks.get(req)
             if track is None:
                 slot = self.slot_of[req.request_id]
-                track = self.tracks[req] = _Track(slot, req.prefilled, [req.prefilled] * self.depths,
-                                                  [{} for _ in range(self.depths)])
-                for state in self.states:
-                    state.clear(slot)
+                track = self.tracks[req] = _Track(slot, req.prefilled, [req.prefilled] * self.depths, {})
+                clear_slot(self.pool, slot, req.prefilled)
             rows = hidden[start:start + n].clone()  # its own copy: the packed step output can go
             for j in range(n):
-                track.pending[0][req.prefilled + j] = rows[j]
+                track.hidden[req.prefilled + j] = rows[j]
 
     def observe_tokens(self, reqs: list, emitted: list[int], hidden: torch.Tensor | None) -> None:
         for i, (req, n) in enumerate(zip(reqs, emitted)):
@@ -174,80 +138,129 @@ class MtpDrafter(Drafter):
                 continue
             first = len(req.prompt) + len(req.output) - 1 - n  # position of the step's first input
             for j in range(n):
-                track.pending[0][first + j] = hidden[i, j]
+                track.hidden[first + j] = hidden[i, j]
 
     # ---- drafting ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def propose(self, reqs: list) -> list[list[int] | None]:
-        live = [(r, self.tracks[r]) for r in reqs if r in self.tracks]
-        sequences = {r: r.prompt + r.output for r, _ in live}  # every token known for certain, per request
-        drafts: dict[object, list[int]] = {r: [] for r, _ in live}
-        previous_run: dict[object, dict[int, torch.Tensor]] = {}  # the last depth's draft-run outputs
-        for index in range(self.depths):
-            m = index + 1
-            outputs = self._extend(index, live, sequences)
-            runs = []
-            for req, track in live:
-                if len(drafts[req]) < index:
-                    continue  # an earlier depth could not draft for it
-                known = sequences[req]
-                P = len(known) - 1  # the newest token's position; depth m drafts x_{P+m} from position P-1
-                first = track.done[index]  # positions first..P-1 are not in the state yet: run them
-                prev = [track.pending[index].get(q, previous_run.get(req, {}).get(q)) for q in range(first, P)]
-                if prev and all(h is not None for h in prev):
-                    tokens = [known[q + m] if q + m <= P else drafts[req][q + m - P - 1] for q in range(first, P)]
-                    runs.append((req, track, first, prev, tokens))
-            previous_run = {}
-            for (req, _, first, _, _), out in zip(runs, self._run(index, runs, persist=False) if runs else []):
-                previous_run[req] = {first + j: h for j, h in enumerate(out)}
-                outputs.setdefault(req, {}).update(previous_run[req])
-            anchors = [(req, outputs[req][len(sequences[req]) - 2]) for req, _ in live
-                       if len(sequences[req]) - 2 in outputs.get(req, {})]
-            if anchors:
-                logits = self.model.logits(torch.stack([h for _, h in anchors]))
-                for (req, _), token in zip(anchors, logits.argmax(-1).tolist()):
-                    drafts[req].append(token)
-        return [drafts.get(r) or None for r in reqs]
+        """Each row's drafts. A row whose depths stand where a draft step continues them (the last step's
+        emitted tokens are each depth's certain ones) drafts at once; the others first take in what they
+        can for sure by extend forwards (`_take_in`), which leave them one certain position to draft from
+        when their history is long enough, or else no drafts this step. Asking again before the target has
+        moved returns the same drafts."""
+        fresh = []
+        for req in reqs:
+            track = self.tracks.get(req)
+            known = req.prompt + req.output
+            if track is not None and track.drafted_at != len(known) - 1:
+                fresh.append((req, track, known))
+        ready, behind = [], []
+        for req, track, known in fresh:
+            P, K, done = len(known) - 1, self.depths, track.done
+            n = P - done[0]
+            if 1 <= n <= K + 1 and all(d == done[0] - i for i, d in enumerate(done)) and done[-1] >= track.start:
+                ready.append((track, known, n))
+                continue
+            # A draft step needs depth i to stand at P-1-i (one certain position each) past the history's start.
+            leave_one = all(d <= P - 1 - i for i, d in enumerate(done)) and P - K >= track.start
+            behind.append((track, known, [P - i - leave_one for i in range(K)]))
+            if leave_one:
+                ready.append((track, known, 1))
+            else:
+                track.drafted_at, track.drafts = P, None
+        if behind:
+            self._take_in(behind)
+        for piece in self.buckets.split(ready):
+            if piece:
+                self._draft(piece)
+        out = []
+        for req in reqs:
+            track = self.tracks.get(req)
+            out.append(track.drafts if track is not None and track.drafted_at == len(req.prompt) + len(req.output) - 1
+                       else None)
+        return out
 
-    def _extend(self, index: int, live: list, sequences: dict) -> dict[object, dict[int, torch.Tensor]]:
-        """Depth `index` takes in every position whose inputs are all known for certain, `extend_chunk`
-        positions per row and call: its state grows, its outputs wait for the next depth. Returns the
-        outputs by request and position."""
-        outputs: dict[object, dict[int, torch.Tensor]] = {}
-        while chunk := self._extend_chunk(index, live, sequences):
-            for req, taken in chunk.items():
-                outputs.setdefault(req, {}).update(taken)
-        return outputs
+    def _draft(self, rows: list) -> None:
+        """One draft step over `rows` (track, known tokens, certain tokens n): every depth runs its row
+        of T tokens, then each depth's windows after its n-th token are committed, its carry kept, and
+        its state moves on by n."""
+        T, B = self.tokens_per_row, len(rows)
+        bucket = self.buckets.bucket_for(B) or B
+        slots = [track.slot for track, _, _ in rows]
+        counts = [n for _, _, n in rows]
+        tokens = [known[len(known) - n:] + [0] * (T - n) for _, known, n in rows]  # the n emitted tokens
+        for i, backend in enumerate(self.backends):
+            backend.prepare_verify(tokens, slots, [track.done[i] for track, _, _ in rows], [self.capacity] * B,
+                                   counts, [GREEDY_PAD] * B, pad_to=bucket)
+        prev = self.inputs.view(bucket)
+        index = torch.tensor([r * T + j for r, n in enumerate(counts) for j in range(n)], device=prev.device)
+        prev.index_copy_(0, index, torch.stack([track.hidden[track.done[0] + j] for track, _, n in rows
+                                                for j in range(n)]))
+        self.step.prev = prev
+        with self.pinned():
+            if self.compiled is not None:
+                drafts, *carried = self.compiled.run(bucket)
+            else:
+                drafts, *carried = draft_step(self.model, self.backends, prev, self.carries)
+        slot_ids = torch.tensor(slots, dtype=torch.long, device=prev.device)
+        for carry, out in zip(self.carries, carried):
+            carry.index_copy_(0, slot_ids, out[:B])
+        steps = torch.tensor(counts, dtype=torch.long, device=prev.device) - 1
+        torch.ops.inkling.commit_conv_windows(
+            [t[None] for t in each_layer(self.pool.conv.values())], [w[None] for w in self.pool.draft_windows()],
+            slot_ids.to(torch.int32), steps)
+        for (track, known, n), row in zip(rows, drafts[:B].tolist()):
+            self._advance(track, [d + n for d in track.done])
+            track.drafted_at, track.drafts = len(known) - 1, row
 
-    def _extend_chunk(self, index: int, live: list, sequences: dict) -> dict[object, dict[int, torch.Tensor]]:
-        m = index + 1
-        runs = []
-        for req, track in live:
-            known = sequences[req]
-            first, prev = track.done[index], []
-            while len(prev) < self.extend_chunk and first + len(prev) + m < len(known) \
-                    and first + len(prev) in track.pending[index]:
-                prev.append(track.pending[index][first + len(prev)])
-            if prev:
-                runs.append((req, track, first, prev, known[first + m:first + m + len(prev)]))
-        if not runs:
-            return {}
-        outputs = {}
-        for (req, track, first, prev, tokens), out in zip(runs, self._run(index, runs, persist=True)):
-            for j in range(len(tokens)):
-                del track.pending[index][first + j]
-                if index + 1 < self.depths:
-                    track.pending[index + 1][first + j] = out[j]
-            track.done[index] = first + len(tokens)
-            outputs[req] = {first + j: h for j, h in enumerate(out)}
-        return outputs
+    def _advance(self, track: _Track, done: list[int]) -> None:
+        track.done = done
+        for q in [q for q in track.hidden if q < done[0]]:
+            del track.hidden[q]
 
-    def _run(self, index: int, runs: list, persist: bool) -> list[torch.Tensor]:
-        rows = _Rows([t.slot for _, t, _, _, _ in runs], [f for _, _, f, _, _ in runs], [len(p) for _, _, _, p, _ in runs])
-        prev = torch.stack([h for _, _, _, p, _ in runs for h in p])
-        tokens = torch.tensor([x for *_, toks in runs for x in toks], device=prev.device)
-        ctx = DepthContext(self.states[index], self.head.block_config, rows, [t.start for _, t, _, _, _ in runs],
-                           persist)
-        out = self.head.depth(index, prev, self.model.model.embed_tokens(tokens), ctx)
-        return list(out.split(rows.counts))
+    def _take_in(self, behind: list) -> None:
+        """Extend forwards over the head's pool: depth i of each row (track, known tokens, `ends`) takes in
+        its positions done[i] .. ends[i]-1 for good, depth by depth, rows packed up to `extend_chunk`
+        positions a call. Depth i's input there is depth i-1's output: of these forwards, or its carry."""
+        # Per depth but the last, its outputs by position that the next depth may read: its carry (at the
+        # position before the first it takes in now), then what it takes in.
+        outputs = [{track: {track.done[i] - 1: self.carries[i][track.slot].clone()} for track, _, _ in behind}
+                   for i in range(self.depths - 1)]
+        for i, backend in enumerate(self.backends):
+            work = []
+            for track, known, ends in behind:
+                lo, hi = track.done[i], ends[i]
+                if hi <= lo:
+                    continue
+                if i == 0:
+                    prev = [track.hidden[q] for q in range(lo, hi)]
+                else:
+                    prev = [outputs[i - 1][track][q] for q in range(lo, hi)]
+                work.append([track, lo, hi, prev, known[lo + i + 1:hi + i + 1]])
+            taken: dict[_Track, dict[int, torch.Tensor]] = {}
+            while work:
+                budget, call = self.extend_chunk, []
+                for item in work:
+                    track, lo, hi = item[:3]
+                    take = min(hi - lo, budget)
+                    if take <= 0:
+                        break
+                    call.append((track, lo, take, item))
+                    budget -= take
+                md = backend.prepare_extend([item[4][:take] for _, _, take, item in call], [lo for _, lo, _, _ in call],
+                                            [track.slot for track, *_ in call], [GREEDY_PAD] * len(call))
+                prev = torch.stack([h for _, _, take, item in call for h in item[3][:take]])
+                out = self.head.depth(i, prev, self.model.model.embed_tokens(md.input_ids), backend.context)
+                for (track, lo, take, item), rows in zip(call, out.split([take for _, _, take, _ in call])):
+                    taken.setdefault(track, {}).update({lo + j: rows[j] for j in range(take)})
+                    item[1], item[3], item[4] = lo + take, item[3][take:], item[4][take:]
+                work = [item for item in work if item[1] < item[2]]
+            for track, known, ends in behind:
+                if track in taken:
+                    if i + 1 < self.depths:
+                        self.carries[i][track.slot] = taken[track][ends[i] - 1]
+                        outputs[i][track].update(taken[track])
+                    track.done[i] = ends[i]
+        for track, _, _ in behind:
+            self._advance(track, track.done)
