@@ -62,12 +62,24 @@ class ShapeChoice(msgspec.Struct):
     def rows_mask(self, layout: str) -> int:
         """Bit r-1 set = the C++ kernel for r rows (1 <= r <= MAX_ROWS); a count between two measured
         ones takes the choice of the next one up."""
-        won = set(self.ours_rows(layout))
-        mask = 0
-        for r in range(1, ROWS[-1] + 1):
-            if next(m for m in ROWS if m >= r) in won:
-                mask |= 1 << (r - 1)
-        return mask
+        return _mask_of(set(self.ours_rows(layout)))
+
+
+def _mask_of(won: set[int]) -> int:
+    """Bit r-1 set for every r whose next measured count up (in ROWS) is in `won`."""
+    mask = 0
+    for r in range(1, ROWS[-1] + 1):
+        if next(m for m in ROWS if m >= r) in won:
+            mask |= 1 << (r - 1)
+    return mask
+
+
+def experts_mask(gate_up: ShapeChoice, down: ShapeChoice) -> int:
+    """An expert bank's rows mask: the C++ kernel at the row counts where its two projections (each in its
+    chosen layout) take less time together than ATen's (whose glue between them is not even counted)."""
+    won = {r for r, og, ag, od, ad in zip(ROWS, gate_up.ours_us[gate_up.layout], gate_up.aten_us[gate_up.layout],
+                                          down.ours_us[down.layout], down.aten_us[down.layout]) if og + od <= ag + ad}
+    return _mask_of(won)
 
 
 class ChoiceFile(msgspec.Struct):
@@ -98,19 +110,20 @@ def choices_path(key: dict[str, str]) -> Path:
 
 
 @functools.cache
-def _set_choice_fn():
+def _native_fn(name: str, argtypes: tuple):
     from .custom_ops.library import native_library
 
     native = native_library()
     if native is None:
         raise RuntimeError("the inkling C++ CPU kernels are not loaded: there is no kernel to choose")
-    fn = native.inkling_set_matmul_choice
-    fn.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64]
+    fn = getattr(native, name)
+    fn.argtypes = list(argtypes)
     return fn
 
 
 def _set_choice(o: int, h: int, column_major: bool, threads: int, mask: int) -> None:
-    _set_choice_fn()(o, h, int(column_major), threads, mask)
+    _native_fn("inkling_set_matmul_choice", (ctypes.c_int64,) * 4 + (ctypes.c_uint64,))(
+        o, h, int(column_major), threads, mask)
 
 
 def _per_call_us(fn, weights: list[torch.Tensor]) -> float:
@@ -251,6 +264,15 @@ class KernelChoices:
             for layout in ("W", "W^T"):
                 _set_choice(o, h, layout == "W^T", self.threads, found.rows_mask(layout))
             return found
+
+    def experts(self, intermediate: int, hidden: int) -> int:
+        """Sets (and returns) the choice of the routed-expert banks gate_up [2I, H] and down [H, I], from their
+        two shapes' measurements (`experts_mask`): an expert's rows go through one kernel for both."""
+        gate_up, down = self.choice(2 * intermediate, hidden), self.choice(hidden, intermediate)
+        mask = experts_mask(gate_up, down)
+        fn = _native_fn("inkling_set_experts_choice", (ctypes.c_int64,) * 5 + (ctypes.c_uint64,))
+        fn(intermediate, hidden, int(gate_up.column_major), int(down.column_major), self.threads, mask)
+        return mask
 
     def release_stream(self) -> None:
         """Frees the timing buffer (a load calls this once every weight is in place)."""

@@ -140,6 +140,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     try:
         tensors, report = read_text_tensors(path, config, convert_checked, mtp_depths,
                                             tp.take if tp is not None else None, int8=stored)
+        if choices is not None and any(config.is_sparse(i) for i in range(config.num_hidden_layers)):
+            choices.experts(config.moe_intermediate_size, config.hidden_size)  # one kernel per expert's rows
     finally:
         if choices is not None:
             choices.release_stream()  # the timing buffer, however the load ended

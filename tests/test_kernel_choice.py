@@ -107,6 +107,31 @@ def test_the_op_runs_the_kernel_the_choice_names():
         assert torch.allclose(torch.ops.inkling.linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5)
 
 
+@pytest.mark.parametrize("down_ours_us, ours_serves", [(2.5, True), (4.0, False)])
+def test_an_expert_bank_takes_the_kernel_its_two_projections_are_faster_on_together(down_ours_us, ours_serves):
+    """gate_up alone wins on ours (1 us against 2), down alone loses (2.5 or 4 against 2): the bank takes
+    the kernel whose two projections take less time together (3.5 < 4: ours; 5 > 4: ATen), for both."""
+    I, H = 12, 24
+    gate_up = ShapeChoice(2 * I, H, False, {"W": [1.0] * 6, "W^T": [9.0] * 6}, {"W": [2.0] * 6, "W^T": [9.0] * 6})
+    down = ShapeChoice(H, I, False, {"W": [down_ours_us] * 6, "W^T": [9.0] * 6}, {"W": [2.0] * 6, "W^T": [9.0] * 6})
+    choices = KernelChoices(threads=torch.get_num_threads())
+    _write(choices, [gate_up, down])
+    mask = KernelChoices(threads=torch.get_num_threads()).experts(I, H)
+    assert mask == ((1 << 32) - 1 if ours_serves else 0)
+    x, E = torch.randn(2, H), 3
+    idx, w = torch.tensor([[0, 1], [0, 2]]), torch.full((2, 2), 0.5)
+    banks = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    with torch.profiler.profile() as prof:
+        got = torch.ops.inkling.moe_experts(x, idx, w, *banks)
+    assert any(e.name in ("aten::mm", "aten::addmm", "aten::matmul") for e in prof.events()) == (not ours_serves)
+    want = torch.zeros_like(x)  # a plain loop over each token's experts
+    for t in range(2):
+        for k in range(2):
+            gu = banks[0][idx[t, k]] @ x[t]
+            want[t] += w[t, k] * (banks[1][idx[t, k]] @ (torch.nn.functional.silu(gu[:I]) * gu[I:]))
+    assert torch.allclose(got, want, atol=1e-4)
+
+
 def test_rows_between_measured_counts_take_the_next_one_up():
     choice = ShapeChoice(8, 8, False, {"W": [1, 1, 9, 1, 9, 9], "W^T": [9] * 6}, {"W": [5] * 6, "W^T": [5] * 6})
     assert choice.ours_rows() == [1, 2, 8]

@@ -1549,6 +1549,28 @@ bool few_rows_serves(int64_t O, int64_t H, bool column_major, int64_t n) {
   return (found->second >> (n - 1)) & 1u;
 }
 
+// Per routed-expert bank (I, H, layouts = 2 * gate_up column-major + down column-major, thread count): bit
+// r-1 set = an expert with r rows takes this kernel for both its projections, else ATen's. Measured as the
+// two projections' times together (kernel_choice.KernelChoices.experts); a bank never measured takes
+// this kernel where both projections' own choices say so.
+std::unordered_map<ShapeKey, uint64_t, ShapeKeyHash>& experts_choices() {
+  static std::unordered_map<ShapeKey, uint64_t, ShapeKeyHash> choices;
+  return choices;
+}
+
+bool experts_serve(int64_t I, int64_t H, bool gu_cm, bool down_cm, int64_t n) {
+  const int64_t forced = few_rows_override();
+  if (forced >= 0) return n <= forced;
+  if (n < 1 || n > kMaxFewRows) return false;
+  {
+    std::shared_lock<std::shared_mutex> read(choices_lock);
+    const auto& choices = experts_choices();
+    const auto found = choices.find({I, H, 2 * int64_t{gu_cm} + int64_t{down_cm}, at::get_num_threads()});
+    if (found != choices.end()) return (found->second >> (n - 1)) & 1u;
+  }
+  return few_rows_serves(2 * I, H, gu_cm, n) && few_rows_serves(H, I, down_cm, n);
+}
+
 // A float buffer that grows without initialising what it holds: every reader here reads only what
 // was written first, and a prefill's buffers (tens of MB) would otherwise be zeroed at every call.
 struct FloatScratch {
@@ -1689,8 +1711,7 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = first[e + 1] - first[e];
     // int8 banks: this kernel up to kMaxFewRowsInt8 rows, whatever the fp32 choice says.
-    ours[e] = n > 0 && (quantized ? n <= kMaxFewRowsInt8
-                                  : few_rows_serves(2 * I, H, gu_cm, n) && few_rows_serves(H, I, down_cm, n));
+    ours[e] = n > 0 && (quantized ? n <= kMaxFewRowsInt8 : experts_serve(I, H, gu_cm, down_cm, n));
   }
   // One matmul of every expert the kernel serves, their tasks on the intra-op pool together.
   auto experts_matmul = [&](const at::Tensor& bank, const at::Tensor* scale, int64_t O, int64_t in,
@@ -1874,10 +1895,19 @@ extern "C" void inkling_set_matmul_choice(int64_t O, int64_t H, int64_t column_m
   matmul_choices()[{O, H, column_major != 0, threads}] = rows_mask;
 }
 
-// Forgets every measured choice (shapes fall back to the default).
+// The measured choice for one routed-expert bank (see experts_serve): bit r-1 of `rows_mask` set = the
+// few-rows kernel for an expert with r rows.
+extern "C" void inkling_set_experts_choice(int64_t I, int64_t H, int64_t gate_up_column_major,
+                                           int64_t down_column_major, int64_t threads, uint64_t rows_mask) {
+  std::unique_lock<std::shared_mutex> write(choices_lock);
+  experts_choices()[{I, H, 2 * (gate_up_column_major != 0) + (down_column_major != 0), threads}] = rows_mask;
+}
+
+// Forgets every measured choice (shapes and expert banks fall back to the default).
 extern "C" void inkling_clear_matmul_choices() {
   std::unique_lock<std::shared_mutex> write(choices_lock);
   matmul_choices().clear();
+  experts_choices().clear();
 }
 
 TORCH_LIBRARY_IMPL(inkling, CPU, m) {
