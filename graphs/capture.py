@@ -46,6 +46,17 @@ RECORDING_CALLS = 2  # calls after a bucket's first that CUDA graph trees take t
 _PLANNED_GRAPHS = 0  # graphs every decoder made in this process may compile (one per bucket at most)
 
 
+def separate_wrapper_build() -> dict:
+    """Inductor's option to build the C++ wrapper apart from the kernels, where this torch has it. The
+    wrapper is glue (allocations and calls), but built in one file with the kernels it is compiled at
+    -O3: most of a cold start's g++ time (19 of 27 s for `small`'s decode graph). Built apart, the
+    wrapper gets -O1 and the kernels keep -O3; steps measured no slower (tools/step_latency.py).
+    Read when a step is built: importing inductor's config costs a second that `--help` should not pay."""
+    import torch._inductor.config as inductor_config
+
+    return {"cpp_wrapper_build_separate": True} if hasattr(inductor_config, "cpp_wrapper_build_separate") else {}
+
+
 def choose_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
     """Sorted buckets; by default the powers of two up to max_batch_size, plus max_batch_size itself."""
     if buckets is None:
@@ -178,7 +189,7 @@ class CompiledStep:
         self.guarded_sources = guarded_sources  # what the compiled step's guards keep (None: all)
         if eligible and guarded_sources is not None:
             self.guarded_sources = tuple(s for s in guarded_sources if s != INSTANCE_SOURCE)
-        self._options: dict = {"cpp_wrapper": True} if self.cpp_wrapper else {}
+        self._options: dict = {"cpp_wrapper": True, **separate_wrapper_build()} if self.cpp_wrapper else {}
         self._kwargs = {"fullgraph": True, "dynamic": False, "backend": self.compiler}
         if mode is not None and compile_backend == "inductor":  # torch.compile takes a mode or options, not both
             self._options = {**torch._inductor.list_mode_options(mode), **self._options}
