@@ -187,7 +187,7 @@ def test_compiled_engine_matches_eager_with_continuous_batching(name, checkpoint
     overflow splits."""
     eager = Engine.from_pretrained(checkpoint(name), compile=False, max_batch_size=10)
     compiled = compiled_engine(checkpoint, name, max_batch_size=10, buckets=(1, 4), compile_extend=True)
-    # the C++ wrapper built apart from the kernels (-O1 glue, -O3 kernels): a third of a cold start
+    # the C++ wrapper built apart from the kernels (-O1 glue, -O3 kernels): half of a cold start here
     for step in (compiled.worker.decoder, compiled.worker.extender):
         assert step.cpp_wrapper and step._options["cpp_wrapper_build_separate"] is True
     prompts = [random_prompt(n, seed=3000 + n) for n in PARITY_LENGTHS]
