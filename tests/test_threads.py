@@ -143,3 +143,32 @@ def test_a_prefill_sized_expert_call_leaves_no_buffers_behind():
     del out
     torch.ops.inkling.moe_experts.default(*small)
     assert _resident_mb() - before < 40
+
+
+def test_the_many_row_kernel_gives_the_same_bits_at_any_thread_count_and_a_plain_products_result():
+    """W^T's layout from 16 rows takes register tiles of 6 rows over 64-term strips of the weight (int8
+    strips widened first). Rows leave every remainder tile, the 1030 columns a tail past the last full
+    vector and the 333 terms a short last strip; the fp32 shape is forced onto the C++ kernel at every
+    row count (unmeasured shapes take it to 16 rows only), int8 takes it to 32 rows whatever the choice."""
+    from inkling_compiled import kernel_choice
+
+    assert native_kernels()
+    g = torch.Generator().manual_seed(12)
+    w = _column_major(torch.randn(1030, 333, generator=g))
+    q = _column_major(torch.randint(-127, 128, (1030, 333), generator=g, dtype=torch.int8))
+    scale = torch.rand(1030, generator=g) / 100
+    try:
+        for threads in THREADS:
+            kernel_choice._set_choice(1030, 333, True, threads, (1 << 64) - 1)
+        for rows in (16, 17, 23, 29, 40):
+            x = torch.randn(rows, 333, generator=g)
+            calls = [("linear", (x, w), x.double() @ w.double().t())]
+            if rows <= 32:
+                calls.append(("linear_int8", (x, q, scale), x.double() @ (q.double() * scale.double()[:, None]).t()))
+            for op, args, plain in calls:
+                base = _run(op, args, (), 1)[0]
+                for threads in THREADS[1:]:
+                    assert torch.equal(_run(op, args, (), threads)[0], base), f"{op} rows={rows}: {threads} threads"
+                assert torch.allclose(base.double(), plain, atol=1e-4, rtol=1e-4), f"{op} rows={rows}"
+    finally:
+        kernel_choice.forget_installed()

@@ -895,6 +895,133 @@ INKLING_INLINE void axpy_outputs(const float* x, int64_t n, int64_t H, const T* 
   }
 }
 
+// From this many rows, W^T's layout takes axpy_rows_outputs below: the weight is reused by so many rows
+// that the multiply-adds, not the bytes, set the time, and the partial sums belong in registers.
+// Measured with tools/bench_matmul.py --from-memory: faster on every shape of `small` from 20 rows;
+// at 16 the lm_head's (4000 x 512) was slower than on axpy_outputs.
+constexpr int64_t kBlockedRows = 20;
+
+// The strip of the weight a tile asks the caches for while it runs (the next one), one term's lines
+// per term: spread over the multiply-adds, where a burst of requests would stall on the fill buffers.
+struct StripAhead {
+  const char* at = nullptr;  // its first term's first byte, or null
+  int64_t stride = 0;        // bytes from one term to the next
+  int64_t terms = 0;
+  int lines = 0;             // 64-byte lines a term
+};
+
+// R rows x V vectors of outputs, their partial sums in registers over `terms` terms (added onto y's
+// sums so far when `onto_y`): per term V weight vectors (`w_h` floats a term) and R broadcasts of x
+// (`x_h` floats a row) feed R x V multiply-adds.
+template <int W, int R, int V>
+INKLING_INLINE void axpy_tile(const float* x, int64_t x_h, const float* w, int64_t w_h, int64_t terms, float* y,
+                              int64_t O, bool onto_y, StripAhead ahead) {
+  vecf<W> acc[R][V] = {};
+  if (onto_y)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = loadv<W>(y + r * O + v * W);
+  for (int64_t h = 0; h < terms; ++h) {
+    if (ahead.at && h < ahead.terms)
+      for (int l = 0; l < ahead.lines; ++l) __builtin_prefetch(ahead.at + h * ahead.stride + 64 * l, 0, 2);
+    const float* wh = w + h * w_h;
+    vecf<W> wv[V];
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) wv[v] = loadv<W>(wh + v * W);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * x_h + h];
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) acc[r][v] += xs * wv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) storev<W>(y + r * O + v * W, acc[r][v]);
+}
+
+// Rows of x at a time in axpy_tile: with 32 registers, 6 rows x 4 vectors of partial sums; with 16, 4 x 2.
+template <int W> constexpr int kTileRows = W == 16 ? 6 : 4;
+
+// The last n < kTileRows rows of x: one tile of exactly that many.
+template <int W, int V, int R = kTileRows<W> - 1>
+INKLING_INLINE void axpy_rest_rows(const float* x, int64_t n, int64_t x_h, const float* w, int64_t w_h, int64_t terms,
+                                   float* y, int64_t O, bool onto_y, StripAhead ahead) {
+  if constexpr (R > 0) {
+    if (n == R) axpy_tile<W, R, V>(x, x_h, w, w_h, terms, y, O, onto_y, ahead);
+    else axpy_rest_rows<W, V, R - 1>(x, n, x_h, w, w_h, terms, y, O, onto_y, ahead);
+  }
+}
+
+// Every row of x times one strip of V full vectors of outputs, in blocks of kTileRows rows; the first
+// block asks for the next strip, which the later ones give time to arrive.
+template <int W, int V>
+INKLING_INLINE void axpy_strip_rows(const float* x, int64_t n, int64_t H, const float* w, int64_t w_h, int64_t terms,
+                                    float* y, int64_t O, bool onto_y, StripAhead ahead) {
+  constexpr int R = kTileRows<W>;
+  int64_t r = 0;
+  for (; r + R <= n; r += R, ahead = {}) axpy_tile<W, R, V>(x + r * H, H, w, w_h, terms, y + r * O, O, onto_y, ahead);
+  axpy_rest_rows<W, V>(x + r * H, n - r, H, w, w_h, terms, y + r * O, O, onto_y, ahead);
+}
+
+// The thread's buffer for one int8 strip widened to floats.
+float* strip_buffer(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+// W^T's layout for kBlockedRows rows or more: outputs [o0, o1) (o0 a multiple of W), terms [h0, h1).
+// The outputs go in panels of kPanelVecs vectors, a panel's terms in strips of kStripTerms (16 KB of
+// fp32): a strip comes from memory once, in the first block of rows (asked for a strip ahead), and
+// from cache for every later block; the partial sums stay in registers over a strip and in y
+// between strips, so each output sums its terms in order h = h0, h0 + 1, ... An int8 strip is
+// widened once into a float buffer (widening it in every block would cost more than the
+// multiply-adds). Columns past the last full vector go to axpy_outputs' loops.
+constexpr int64_t kStripTerms = 64;
+template <int W, typename T>
+INKLING_INLINE void axpy_rows_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_h,
+                                      int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
+  constexpr int kPanelVecs = W == 16 ? 4 : 2;
+  constexpr int64_t kPanel = kPanelVecs * W;
+  constexpr bool widened = std::is_same_v<T, int8_t>;
+  const int64_t full = o0 + (o1 - o0) / W * W;
+  float* buffer = widened ? strip_buffer(kStripTerms * kPanel) : nullptr;
+  for (int64_t o = o0; o < full; o += kPanel) {
+    const int vecs = static_cast<int>(std::min<int64_t>(kPanelVecs, (full - o) / W));
+    for (int64_t hs = h0; hs < h1; hs += kStripTerms) {
+      const int64_t terms = std::min(h1, hs + kStripTerms) - hs;
+      // The next strip: this panel's next terms, or the next panel's first.
+      StripAhead ahead;
+      const bool last = hs + terms == h1;
+      const int64_t next_o = last ? o + kPanel : o, next_h = last ? h0 : hs + terms;
+      if (next_o < full) {
+        ahead.at = reinterpret_cast<const char*>(w + next_h * w_h + next_o);
+        ahead.stride = w_h * static_cast<int64_t>(sizeof(T));
+        ahead.terms = std::min(h1, next_h + kStripTerms) - next_h;
+        ahead.lines = static_cast<int>((std::min(kPanel, full - next_o) * static_cast<int64_t>(sizeof(T)) + 63) / 64);
+      }
+      const float* strip;
+      int64_t strip_h;
+      if constexpr (widened) {
+        for (int64_t h = 0; h < terms; ++h)
+          for (int v = 0; v < vecs; ++v)
+            storev<W>(buffer + h * kPanel + v * W, loadw<W>(w + (hs + h) * w_h + o + v * W));
+        strip = buffer, strip_h = kPanel;
+      } else {
+        strip = w + hs * w_h + o, strip_h = w_h;
+      }
+      const float* xs = x + hs;
+      const bool onto_y = hs > h0;
+      switch (vecs) {
+        case 4: if constexpr (kPanelVecs >= 4) axpy_strip_rows<W, 4>(xs, n, H, strip, strip_h, terms, y + o, O, onto_y, ahead); break;
+        case 3: if constexpr (kPanelVecs >= 3) axpy_strip_rows<W, 3>(xs, n, H, strip, strip_h, terms, y + o, O, onto_y, ahead); break;
+        case 2: axpy_strip_rows<W, 2>(xs, n, H, strip, strip_h, terms, y + o, O, onto_y, ahead); break;
+        default: axpy_strip_rows<W, 1>(xs, n, H, strip, strip_h, terms, y + o, O, onto_y, ahead); break;
+      }
+    }
+  }
+  if (full < o1) axpy_outputs<W>(x, n, H, w, O, w_h, full, o1, h0, h1, y);
+}
+
 // y[n, O] (row stride O) = the terms h in [h0, h1) of x @ W^T, for outputs [o0, o1). W's layout
 // (w_h == 1) takes every term at once (h0 = 0, h1 = H).
 // out[r, c] (row stride cols) = q[r * stride + c] times row_scale[r], or col_scale[c]: a block of an
@@ -921,6 +1048,7 @@ template <int W, typename T>
 INKLING_INLINE void matmul_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
                                    int64_t w_h, int64_t o0, int64_t o1, int64_t h0, int64_t h1, float* y) {
   if (w_h == 1) dot_outputs<W>(x, n, H, w, O, w_o, o0, o1, y);
+  else if (n >= kBlockedRows) axpy_rows_outputs<W>(x, n, H, w, O, w_h, o0, o1, h0, h1, y);
   else axpy_outputs<W>(x, n, H, w, O, w_h, o0, o1, h0, h1, y);
 }
 
@@ -1384,6 +1512,12 @@ struct SplitMatmul {
     if (w_h == 1) {
       // Panels of 4 outputs, enough of them that a task reads kTaskBytes.
       o_step = 4 * std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, 4 * elem_bytes() * H));
+    } else if (n >= kBlockedRows) {
+      // Every term in one task: axpy_rows_outputs sums each output over all of them in order (fewer
+      // rows add chunks' partial sums, so a row's last bits may differ from the same row in a smaller
+      // batch). Columns in panels of 64, enough of them that a task reads kTaskBytes.
+      o_step = 64 * std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, 64 * elem_bytes() * H));
+      chunk_rows = H;
     } else {
       o_step = std::min<int64_t>(kChunkCols, (O + 15) / 16 * 16);
       // Chunks of kChunkRows rows, fewer (and longer, in steps of kGroup) where the partial sums would
