@@ -816,7 +816,8 @@ INKLING_INLINE void dot_panel_rows(const float* x, int64_t n, int64_t H, const T
   }
 }
 
-// The calling thread's buffer for one widened panel of int8 weights (4 rows of H floats).
+// The calling thread's buffer for int8 weights widened to floats: a panel of 4 rows of W (dot_outputs)
+// or a strip of W^T (axpy_rows_outputs); one call uses one at a time.
 float* panel_buffer(int64_t floats) {
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
@@ -962,13 +963,6 @@ INKLING_INLINE void axpy_strip_rows(const float* x, int64_t n, int64_t H, const 
   axpy_rest_rows<W, V>(x + r * H, n - r, H, w, w_h, terms, y + r * O, O, onto_y, ahead);
 }
 
-// The thread's buffer for one int8 strip widened to floats.
-float* strip_buffer(int64_t floats) {
-  thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
-  return buffer.data();
-}
-
 // W^T's layout for kBlockedRows rows or more: outputs [o0, o1) (o0 a multiple of W), terms [h0, h1).
 // The outputs go in panels of kPanelVecs vectors, a panel's terms in strips of kStripTerms (16 KB of
 // fp32): a strip comes from memory once, in the first block of rows (asked for a strip ahead), and
@@ -984,7 +978,7 @@ INKLING_INLINE void axpy_rows_outputs(const float* x, int64_t n, int64_t H, cons
   constexpr int64_t kPanel = kPanelVecs * W;
   constexpr bool widened = std::is_same_v<T, int8_t>;
   const int64_t full = o0 + (o1 - o0) / W * W;
-  float* buffer = widened ? strip_buffer(kStripTerms * kPanel) : nullptr;
+  float* buffer = widened ? panel_buffer(kStripTerms * kPanel) : nullptr;
   for (int64_t o = o0; o < full; o += kPanel) {
     const int vecs = static_cast<int>(std::min<int64_t>(kPanelVecs, (full - o) / W));
     for (int64_t hs = h0; hs < h1; hs += kStripTerms) {
