@@ -146,21 +146,23 @@ def test_a_prefill_sized_expert_call_leaves_no_buffers_behind():
 
 
 def test_the_many_row_kernel_gives_the_same_bits_at_any_thread_count_and_a_plain_products_result():
-    """W^T's layout from 16 rows takes register tiles of 6 rows over 64-term strips of the weight (int8
-    strips widened first). Rows leave every remainder tile, the 1030 columns a tail past the last full
-    vector and the 333 terms a short last strip; the fp32 shape is forced onto the C++ kernel at every
-    row count (unmeasured shapes take it to 16 rows only), int8 takes it to 32 rows whatever the choice."""
+    """W^T's layout from 20 rows takes register tiles of 6 rows (4 on AVX2) over 64-term strips of the
+    weight (int8 strips widened first). The rows leave every remainder tile of both builds, the 1000
+    columns a last panel of two vectors and a tail of 8 past the last full vector, the 333 terms a short
+    last strip; 16 and 17 rows take the chunked kernel beside them. The fp32 shape is forced onto the
+    C++ kernel at every row count (unmeasured shapes take it to 16 rows only); int8 takes it to 32 rows
+    whatever the choice."""
     from inkling_compiled import kernel_choice
 
     assert native_kernels()
     g = torch.Generator().manual_seed(12)
-    w = _column_major(torch.randn(1030, 333, generator=g))
-    q = _column_major(torch.randint(-127, 128, (1030, 333), generator=g, dtype=torch.int8))
-    scale = torch.rand(1030, generator=g) / 100
+    w = _column_major(torch.randn(1000, 333, generator=g))
+    q = _column_major(torch.randint(-127, 128, (1000, 333), generator=g, dtype=torch.int8))
+    scale = torch.rand(1000, generator=g) / 100
     try:
         for threads in THREADS:
-            kernel_choice._set_choice(1030, 333, True, threads, (1 << 64) - 1)
-        for rows in (16, 17, 23, 29, 40):
+            kernel_choice._set_choice(1000, 333, True, threads, (1 << 64) - 1)
+        for rows in (16, 17, 20, 21, 22, 23, 24, 25, 29, 40):
             x = torch.randn(rows, 333, generator=g)
             calls = [("linear", (x, w), x.double() @ w.double().t())]
             if rows <= 32:

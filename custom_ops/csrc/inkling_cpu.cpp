@@ -856,7 +856,7 @@ INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w
 
 constexpr int64_t kGroup = 8;  // rows of W^T read together (axpy_outputs below)
 
-// W columns contiguous (W^T stored [H, O] row-major), outputs [o0, o1) (o0 a multiple of 16), terms
+// W columns contiguous (W^T stored [H, O] row-major), outputs [o0, o1) (o0 a multiple of W), terms
 // h in [h0, h1): W^T is read kGroup of its rows at a time, front to back, so that the weight streams in
 // order; each group adds its kGroup terms to every row's partial sums in y (cache-resident). Every
 // output sums its terms in order h = h0, h0 + 1, ..., whatever the grouping.
@@ -965,11 +965,11 @@ INKLING_INLINE void axpy_strip_rows(const float* x, int64_t n, int64_t H, const 
 
 // W^T's layout for kBlockedRows rows or more: outputs [o0, o1) (o0 a multiple of W), terms [h0, h1).
 // The outputs go in panels of kPanelVecs vectors, a panel's terms in strips of kStripTerms (16 KB of
-// fp32): a strip comes from memory once, in the first block of rows (asked for a strip ahead), and
-// from cache for every later block; the partial sums stay in registers over a strip and in y
-// between strips, so each output sums its terms in order h = h0, h0 + 1, ... An int8 strip is
-// widened once into a float buffer (widening it in every block would cost more than the
-// multiply-adds). Columns past the last full vector go to axpy_outputs' loops.
+// fp32 on AVX-512, 4 KB on AVX2): a strip comes from memory once, in the first block of rows (asked
+// for a strip ahead), and from cache for every later block; the partial sums stay in registers over
+// a strip and in y between strips, so each output sums its terms in order h = h0, h0 + 1, ... An int8
+// strip is read once, by its widening into a float buffer (widening it in every block would cost
+// more than the multiply-adds). Columns past the last full vector go to axpy_outputs' loops.
 constexpr int64_t kStripTerms = 64;
 template <int W, typename T>
 INKLING_INLINE void axpy_rows_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_h,
@@ -1481,7 +1481,8 @@ constexpr size_t kKeepScratchFloats = 4 << 20;
 // - W's layout: ranges of outputs (whole rows of W), one task each;
 // - W^T's: (chunk of rows of W^T, range of columns) pairs; each chunk's partial sums go to a scratch
 //   buffer of their own, and `reduce` adds the chunks in order. The chunks depend on the shape and the
-//   rows only, never on the thread count.
+//   rows only, never on the thread count. From kBlockedRows rows: ranges of 64-column panels, each with
+//   every row of W^T (one chunk, no scratch).
 // An int8 weight (wq, with one scale per output) splits the same way; `reduce` then scales each output.
 struct SplitMatmul {
   const float* x;
