@@ -901,6 +901,8 @@ INKLING_INLINE void axpy_outputs(const float* x, int64_t n, int64_t H, const T* 
 // Measured with tools/bench_matmul.py --from-memory: faster on every shape of `small` from 20 rows;
 // at 16 the lm_head's (4000 x 512) was slower than on axpy_outputs.
 constexpr int64_t kBlockedRows = 20;
+// Columns a task of that path takes at a time (SplitMatmul): a multiple of every build's panel.
+constexpr int64_t kBlockedColumns = 64;
 
 // The strip of the weight a tile asks the caches for while it runs (the next one), one term's lines
 // per term: spread over the multiply-adds, where a burst of requests would stall on the fill buffers.
@@ -1481,8 +1483,8 @@ constexpr size_t kKeepScratchFloats = 4 << 20;
 // - W's layout: ranges of outputs (whole rows of W), one task each;
 // - W^T's: (chunk of rows of W^T, range of columns) pairs; each chunk's partial sums go to a scratch
 //   buffer of their own, and `reduce` adds the chunks in order. The chunks depend on the shape and the
-//   rows only, never on the thread count. From kBlockedRows rows: ranges of 64-column panels, each with
-//   every row of W^T (one chunk, no scratch).
+//   rows only, never on the thread count. From kBlockedRows rows: ranges of kBlockedColumns columns, each
+//   with every row of W^T (one chunk, no scratch).
 // An int8 weight (wq, with one scale per output) splits the same way; `reduce` then scales each output.
 struct SplitMatmul {
   const float* x;
@@ -1510,8 +1512,9 @@ struct SplitMatmul {
     } else if (n >= kBlockedRows) {
       // Every term in one task: axpy_rows_outputs sums each output over all of them in order (fewer
       // rows add chunks' partial sums, so a row's last bits may differ from the same row in a smaller
-      // batch). Columns in panels of 64, enough of them that a task reads kTaskBytes.
-      o_step = 64 * std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, 64 * elem_bytes() * H));
+      // batch). Columns kBlockedColumns at a time, enough of them that a task reads kTaskBytes.
+      o_step = kBlockedColumns *
+               std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, kBlockedColumns * elem_bytes() * H));
       chunk_rows = H;
     } else {
       o_step = std::min<int64_t>(kChunkCols, (O + 15) / 16 * 16);
