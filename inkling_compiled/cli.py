@@ -68,7 +68,8 @@ def _engine_args(args):
     return dict(device=args.device, dtype=args.dtype, compile=args.compile, compile_extend=args.compile_extend,
                 max_batch_size=args.max_batch_size,
                 buckets=buckets, compile_backend=args.compile_backend,
-                prefill_chunk_tokens=args.prefill_chunk_tokens, prefix_cache=args.prefix_cache,
+                prefill_chunk_tokens=args.prefill_chunk_tokens, idle_prefill_tokens=args.idle_prefill_tokens,
+                prefix_cache=args.prefix_cache,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
 
@@ -483,8 +484,12 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
     p.add_argument("--buckets", type=positive_int, nargs="+", default=buckets,
                    help="batch sizes to compile a graph for (default: powers of two up to --max-batch-size)")
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens to generate per prompt")
-    p.add_argument("--prefill-chunk-tokens", type=positive_int, default=256,
-                   help="prompt tokens prefilled per step, all requests together (longer prompts take several)")
+    p.add_argument("--prefill-chunk-tokens", type=positive_int, default=None,
+                   help="prompt tokens prefilled per step while requests decode, all requests together (longer "
+                        "prompts take several; default 256; set alone, it also caps --idle-prefill-tokens)")
+    p.add_argument("--idle-prefill-tokens", type=positive_int, default=None,
+                   help="prompt tokens a step may prefill while no request decodes (default 2048, or "
+                        "--prefill-chunk-tokens when that is given)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the cached state of prompt prefixes other requests had (--no-prefix-cache: off)")
     p.add_argument("--threads", type=positive_int, default=None,

@@ -59,7 +59,7 @@ def _request_id(request_id) -> str:
 class Engine:
     def __init__(self, model: InklingForCausalLM, *, tokenizer: TextTokenizer | None = None, device="cpu",
                  compile: bool = True, max_batch_size: int = 32, max_model_len: int = 2048,
-                 prefill_chunk_tokens: int = 256, page_size: int = 16, num_pages: int | None = None,
+                 prefill_chunk_tokens: int | None = None, idle_prefill_tokens: int | None = None, page_size: int = 16, num_pages: int | None = None,
                  seed: int = 0, buckets: tuple[int, ...] | None = None, compile_backend: str = "inductor",
                  compile_mode: str | None = None, compile_cache_dir: str | Path | None = None,
                  cpp_wrapper: bool | None = None, graph_per_bucket: bool = False,
@@ -93,6 +93,7 @@ class Engine:
         needs_hidden = self.drafter is not None and self.drafter.needs_hidden
         self.worker = Worker(model, device=self.device, compile=compile, max_batch_size=max_batch_size,
                              max_model_len=max_model_len, prefill_chunk_tokens=prefill_chunk_tokens,
+                             idle_prefill_tokens=idle_prefill_tokens,
                              page_size=page_size, num_pages=num_pages, buckets=buckets,
                              compile_backend=compile_backend, compile_mode=compile_mode,
                              compile_cache_dir=compile_cache_dir, cpp_wrapper=cpp_wrapper,
@@ -108,6 +109,7 @@ class Engine:
                                   host_cache_bytes=host_cache_bytes)
         self.scheduler = Scheduler(self.cache, self.worker.buckets, max_batch_size=self.max_batch_size,
                                    prefill_chunk_tokens=self.worker.prefill_chunk_tokens,
+                                   idle_prefill_tokens=self.worker.idle_prefill_tokens,
                                    draft_tokens=self.num_speculative_tokens, vocab_size=config.vocab_size,
                                    logits_vocab_size=config.logits_vocab_size, drafter_needs_hidden=needs_hidden)
         if self.drafter is not None:
@@ -305,7 +307,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step: each running request decodes (one token, or with speculative decoding its
-        accepted drafts and one more), and up to `prefill_chunk_tokens` prompt tokens are prefilled.
+        accepted drafts and one more), and up to `prefill_chunk_tokens` prompt tokens are prefilled
+        (`idle_prefill_tokens` when no request is decoding).
         Returns the outputs of the requests that advanced or finished (and of any that `generate` stepped
         past for this caller), each carrying what is new since the last; outputs of requests a `generate`
         call is waiting for go to that call instead."""

@@ -3,7 +3,8 @@
 Requests wait (`waiting`), then hold a slot while their prompt goes into the pool in chunks
 (`prefilling`), then decode (`running`). Each engine step first advances every running request (one
 decode plan per bucket-sized batch, or a verify plan where the drafter guessed), then prefills up to
-`prefill_chunk_tokens` prompt tokens in one extend plan: the next chunks of prompts already being
+`prefill_chunk_tokens` prompt tokens in one extend plan (`idle_prefill_tokens` when no request is running:
+no decoder's pace is at stake then, and longer chunks reach a first token sooner): the next chunks of prompts already being
 prefilled, then the first chunks of waiting requests admitted first come, first served (a free slot and
 the pages for their whole budget, from the cache manager). A request whose prompt is complete takes
 its first token from that forward and decodes from the next step on.
@@ -26,9 +27,11 @@ COUNTERS = ("decode_steps", "verify_steps", "row_steps", "decode_tokens", "spec_
 
 class Scheduler:
     def __init__(self, cache: CacheManager, buckets: Buckets, *, max_batch_size: int, prefill_chunk_tokens: int,
-                 draft_tokens: int = 0, vocab_size: int, logits_vocab_size: int, drafter_needs_hidden: bool = False):
+                 idle_prefill_tokens: int | None = None, draft_tokens: int = 0, vocab_size: int, logits_vocab_size: int,
+                 drafter_needs_hidden: bool = False):
         self.cache, self.buckets = cache, buckets
         self.max_batch_size, self.prefill_chunk_tokens = max_batch_size, prefill_chunk_tokens
+        self.idle_prefill_tokens = idle_prefill_tokens or prefill_chunk_tokens
         self.draft_tokens = draft_tokens
         self.vocab_size, self.logits_vocab_size = vocab_size, logits_vocab_size
         self.drafter_needs_hidden = drafter_needs_hidden
@@ -97,10 +100,11 @@ class Scheduler:
         return [plan] if plan is not None else []
 
     def extend_plan(self) -> StepPlan | None:
-        """The prompt tokens to prefill now, within the step's budget; None if there are none. Prompts
-        already being prefilled continue, then waiting requests are admitted while a slot and the pages for
-        their whole budget are free (a prefix-cache hit starts past its cached tokens)."""
-        chunks, budget = [], self.prefill_chunk_tokens
+        """The prompt tokens to prefill now, within the step's budget (the idle one when nothing is
+        running); None if there are none. Prompts already being prefilled continue, then waiting requests
+        are admitted while a slot and the pages for their whole budget are free (a prefix-cache hit starts
+        past its cached tokens)."""
+        chunks, budget = [], self.prefill_chunk_tokens if self.running else self.idle_prefill_tokens
         for req in self.prefilling:
             if budget == 0:
                 break

@@ -65,6 +65,30 @@ def test_chunked_prompts_match_transformers_while_others_decode(name, chunk, che
         assert final[rid].token_ids == want
 
 
+def test_prefill_budgets_default_to_a_chunk_beside_decoders_and_more_alone(checkpoint, hf_greedy):
+    """Defaults: 256 tokens a step beside decoders, 2048 with none; a chunk set alone caps both. A lone
+    300-token prompt then prefills in one step (its first token comes with it), and its output is
+    transformers'; beside a decoding request a prompt as long takes two."""
+    tiny = checkpoint("tiny")
+    default = Engine.from_pretrained(tiny, compile=False, max_batch_size=2, progress=False)
+    assert (default.worker.prefill_chunk_tokens, default.worker.idle_prefill_tokens) == (256, 2048)
+    capped = Engine.from_pretrained(tiny, compile=False, max_batch_size=2, prefill_chunk_tokens=64, progress=False)
+    assert (capped.worker.prefill_chunk_tokens, capped.worker.idle_prefill_tokens) == (64, 64)
+    prompt = random_prompt(300, seed=650)
+    alone = default.add_request(prompt, PARAMS)
+    (first,) = default.step()
+    assert first.request_id == alone and len(first.token_ids) == 1
+    final = {}
+    while default.has_unfinished():
+        final.update((o.request_id, o) for o in default.step() if o.finished)
+    assert_matches(hf_greedy, "tiny", prompt, final[alone])
+    default.add_request(random_prompt(4, seed=651), PARAMS)
+    default.step()  # the short prompt's prefill: it decodes from now on
+    beside = default.add_request(random_prompt(300, seed=652), PARAMS)
+    default.step()
+    assert default.scheduler.get(beside).prefilled == 256
+
+
 def test_compiled_decode_after_chunked_prefill(checkpoint, hf_greedy):
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=True, max_batch_size=4, buckets=(1, 4),
                                     prefill_chunk_tokens=7, progress=False)

@@ -116,14 +116,14 @@ class Drafts:
         return drafts
 
 
-def make_scheduler(k: int = 0, chunk: int = 10, prefix_cache: bool = True):
+def make_scheduler(k: int = 0, chunk: int = 10, prefix_cache: bool = True, idle: int | None = None):
     config = InklingConfig.from_dict({"model_type": "inkling_text", **TINY_CONFIGS["tiny"]})
     pool = StatePool(config, max_slots=6, num_pages=6 * pages_for(MAX_LEN, PAGE) + 1, page_size=PAGE,
                      max_pages_per_seq=pages_for(MAX_LEN, PAGE), dtype=torch.float32, checkpoints=6,
                      spec_draft_tokens=k + 1 if k else 0)
     cache = CacheManager(pool, prefix_cache=prefix_cache)
-    return Scheduler(cache, Buckets((1, 2, 4)), max_batch_size=6, prefill_chunk_tokens=chunk, draft_tokens=k,
-                     vocab_size=VOCAB, logits_vocab_size=VOCAB), pool
+    return Scheduler(cache, Buckets((1, 2, 4)), max_batch_size=6, prefill_chunk_tokens=chunk, idle_prefill_tokens=idle,
+                     draft_tokens=k, vocab_size=VOCAB, logits_vocab_size=VOCAB), pool
 
 
 def run(scheduler: Scheduler, worker: ScriptedWorker, arrivals: dict[int, list[Request]], drafter=None,
@@ -149,9 +149,11 @@ def run(scheduler: Scheduler, worker: ScriptedWorker, arrivals: dict[int, list[R
                 if req.finish_reason is not None:
                     scheduler.finish(req)
                     finished[req.request_id] = req
+        # a step prefills at most a chunk beside running requests, and at most the idle budget alone
+        budget = scheduler.prefill_chunk_tokens if scheduler.running else scheduler.idle_prefill_tokens
         plan = scheduler.extend_plan()
         if plan is not None:
-            assert sum(len(t) for t in plan.tokens) <= scheduler.prefill_chunk_tokens
+            assert sum(len(t) for t in plan.tokens) <= budget
             reqs = scheduler.requests_of(plan)
             scheduler.record(plan, reqs, worker.execute(plan))
             scheduler.finish_extend(plan, reqs)
@@ -177,11 +179,11 @@ def requests(seed: int, n: int, shared: list[int]) -> dict[int, list[Request]]:
 
 
 @pytest.mark.parametrize("k", [0, 3])
-@pytest.mark.parametrize("chunk", [5, 64])
-def test_scheduler_matches_a_plain_loop(k, chunk):
+@pytest.mark.parametrize("chunk, idle", [(5, None), (64, None), (5, 40)])
+def test_scheduler_matches_a_plain_loop(k, chunk, idle):
     shared = [random.Random(1).randrange(3, VOCAB) for _ in range(13)]  # three full pages and a bit
     arrivals = requests(seed=10 + k + chunk, n=24, shared=shared)
-    scheduler, pool = make_scheduler(k, chunk)
+    scheduler, pool = make_scheduler(k, chunk, idle=idle)
     worker = ScriptedWorker()
     done = run(scheduler, worker, arrivals, Drafts(k, seed=5) if k else None)
     for reqs in arrivals.values():
@@ -239,3 +241,27 @@ def test_a_step_plan_round_trips_through_msgpack():
     assert plan.checkpoints and plan.journal and plan.kind is StepKind.EXTEND
     again = msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=StepPlan)
     assert again == plan and again.top_logprobs == 3
+
+
+def test_a_step_with_nothing_running_prefills_up_to_the_idle_budget_and_a_chunk_beside_decoders():
+    scheduler, pool = make_scheduler(chunk=8, idle=32)
+    worker = ScriptedWorker()
+    params = SamplingParams(max_new_tokens=4)
+
+    def request(rid: str, n: int) -> Request:
+        prompt = [3 + (i * 7 + len(rid)) % (VOCAB - 3) for i in range(n)]
+        return Request(rid, prompt, params, 0, frozenset({STOP}), n + 4)
+
+    scheduler.add(request("alone", 40))
+    first = scheduler.extend_plan()  # nothing decodes: the idle budget
+    assert [len(t) for t in first.tokens] == [32]
+    scheduler.record(first, scheduler.requests_of(first), worker.execute(first))
+    scheduler.finish_extend(first, scheduler.requests_of(first))
+    second = scheduler.extend_plan()  # still prefilling, nothing running yet: the rest in one step
+    assert [len(t) for t in second.tokens] == [8] and second.sampled == [True]
+    scheduler.record(second, scheduler.requests_of(second), worker.execute(second))
+    scheduler.finish_extend(second, scheduler.requests_of(second))
+    assert [r.request_id for r in scheduler.running] == ["alone"]
+    scheduler.add(request("beside", 40))
+    third = scheduler.extend_plan()  # a request decodes: one chunk
+    assert [len(t) for t in third.tokens] == [8]
