@@ -30,7 +30,7 @@ from inkling_compiled.checks import is_int
 from inkling_compiled.errors import CompileError, OptionError
 from inkling_compiled.paths import default_cache_dir
 
-from . import package, vec_isa
+from . import cpp_build, package, vec_isa
 
 log = logging.getLogger("inkling_compiled")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
@@ -54,7 +54,10 @@ def separate_wrapper_build() -> dict:
     Read when a step is built: importing inductor's config costs a second that `--help` should not pay."""
     import torch._inductor.config as inductor_config
 
-    return {"cpp_wrapper_build_separate": True} if hasattr(inductor_config, "cpp_wrapper_build_separate") else {}
+    if not hasattr(inductor_config, "cpp_wrapper_build_separate"):
+        return {}
+    cpp_build.install()  # and the two built side by side
+    return {"cpp_wrapper_build_separate": True}
 
 
 def choose_buckets(max_batch_size: int, buckets: tuple[int, ...] | list[int] | None = None) -> tuple[int, ...]:
@@ -155,7 +158,9 @@ class CompiledStep:
                                                                  default_compile_cache_dir())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
         if compile_backend == "inductor" and device.type == "cpu":
-            vec_isa.settle(self.cache_dir)  # before anything reads inductor's configuration
+            # before anything reads inductor's configuration; recorded beside the kernel choices, which are
+            # per machine too, so that a new compile cache does not probe again
+            vec_isa.settle(default_cache_dir())
         # Each graph is a recompile of the same frame (and every engine in the process shares that
         # frame's cache); leave room for all of them.
         # Entries of decoders made earlier in the process stay in that cache (a graph per bucket each, at

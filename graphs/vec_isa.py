@@ -2,8 +2,10 @@
 
 To pick the vector ISA of its C++ code, inductor checks each one the CPU's flags list by building a
 test program and loading it in a child process, at every start: 2-3 s of a warm start that loads
-everything else from caches. Its outcome depends on the CPU, the compiler and torch only, so it is
-recorded under the compile cache (`<cache>/vec-isa/<key>.json`). When every ISA the flags list passed
+everything else from caches, and some 9 s of a start with a new compile cache (the test programs are
+built again). Its outcome depends on the CPU, the compiler and torch only, so it is recorded once per
+machine, beside the kernel choices (`<INKLING_CACHE_DIR>/vec-isa/<key>.json`; the key hashes those
+three), not in inductor's compile cache. When every ISA the flags list passed
 (the usual case), later processes set `torch._inductor.config.cpp.vec_isa_ok = True`: inductor then
 takes the flags' list as it is, which is the same pick without the base probe (the AVX-512 bf16, VNNI
 and AMX variants still run checks of their own; on this machine the call went from 2.3 s to 0.5 s). The first process sets it

@@ -202,6 +202,65 @@ def test_the_isa_probe_runs_once_per_machine(tmp_path, monkeypatch):
         assert cpp.vec_isa_ok is False
 
 
+def test_the_isa_probe_is_recorded_in_the_machine_cache_not_the_compile_cache(tmp_path, monkeypatch):
+    """A compiled step settles the probe against INKLING_CACHE_DIR (beside the kernel choices), so a
+    new inductor cache does not probe again."""
+    from inkling_compiled.graphs import capture, vec_isa
+
+    seen = []
+    monkeypatch.setenv("INKLING_CACHE_DIR", str(tmp_path / "machine"))
+    monkeypatch.setattr(vec_isa, "settle", seen.append)
+    capture.CompiledStep(torch.nn.Identity(), lambda rows: None, device="cpu", buckets=(1,),
+                         cache_dir=tmp_path / "inductor")
+    assert seen == [tmp_path / "machine"]
+
+
+class _TimedBuilder:
+    """A stand-in for inductor's CppBuilder: its build takes a while, notes when, and writes its target."""
+
+    def __init__(self, path, log, seconds=0.3):
+        self.path, self.log, self.seconds = path, log, seconds
+
+    def get_target_file_path(self):
+        return str(self.path)
+
+    def build(self):
+        import time
+
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        self.path.write_text("built")
+        self.log.append((self.path.name, start, time.monotonic()))
+
+
+def test_the_wrapper_and_its_kernels_build_side_by_side_and_the_link_after_both(tmp_path):
+    from inkling_compiled.graphs import cpp_build
+
+    log = []
+    wrapper, kernels, link = (_TimedBuilder(tmp_path / name, log) for name in ("wrapper.o", "kernels.o", "step.so"))
+    cpp_build._build_side_by_side(str(tmp_path / "lock"), (wrapper, kernels, link))
+    when = {name: (start, end) for name, start, end in log}
+    assert set(when) == {"wrapper.o", "kernels.o", "step.so"}
+    assert when["kernels.o"][0] < when["wrapper.o"][1] and when["wrapper.o"][0] < when["kernels.o"][1]  # overlap
+    assert when["step.so"][0] >= max(when["wrapper.o"][1], when["kernels.o"][1])  # the link needs both
+    log.clear()
+    cpp_build._build_side_by_side(str(tmp_path / "lock"), (wrapper, kernels, link))  # all there: nothing runs
+    assert log == []
+    (tmp_path / "step.so").unlink()
+    cpp_build._build_side_by_side(str(tmp_path / "lock"), (wrapper, kernels, link))  # only what is missing
+    assert [name for name, _, _ in log] == ["step.so"]
+
+
+def test_the_side_by_side_build_is_the_worker_inductor_runs():
+    from torch._inductor import codecache
+
+    from inkling_compiled.graphs import capture, cpp_build
+
+    if not capture.separate_wrapper_build():
+        pytest.skip("this torch builds the wrapper with its kernels")
+    assert codecache._worker_compile_cpp is cpp_build._build_side_by_side
+
+
 def test_a_speculative_engine_saves_its_verify_step_beside_the_decode_step(checkpoint):
     """The verify step is saved whole too, its key the decode step's plus K and whether a drafter needs
     hidden states: a later engine with other pool sizes loads both and traces nothing while it
