@@ -109,11 +109,12 @@ class Worker:
             options = dict(device=device, buckets=bucket_sizes, compile_backend=compile_backend, mode=compile_mode,
                            cache_dir=compile_cache_dir, cpp_wrapper=False if tensor_parallel else cpp_wrapper,
                            guarded_sources=DecodeStep.GUARDED_SOURCES)
-            self.step_options = {**options, "graph_per_bucket": graph_per_bucket,
-                                 "specialize_batch_one": specialize_batch_one}
             # The decode step saved whole in the compile cache, for later processes to load instead of
             # tracing (graphs/package.py); not under tensor parallelism or with a HiCache barrier.
             key = self.package_key() if compile_package and not tensor_parallel and not layer_transfer else None
+            # (the package key is the decode step's, for a drafter's step to extend; None: nothing is saved)
+            self.step_options = {**options, "graph_per_bucket": graph_per_bucket,
+                                 "specialize_batch_one": specialize_batch_one, "package_key": key}
             decoder = steps[StepKind.DECODE] = CompiledStep(
                 DecodeStep(model, self.backend), self.backend.prepare_padding, graph_per_bucket=graph_per_bucket,
                 specialize_batch_one=specialize_batch_one, package_key=key, **options)

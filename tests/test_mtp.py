@@ -161,6 +161,40 @@ def test_one_symbolic_draft_graph_no_breaks_and_a_full_census(checkpoint, fresh_
     assert engine.stats()["spec_proposed"] > 0
 
 
+def test_the_draft_step_is_saved_whole_and_a_later_engine_loads_it(checkpoint, tmp_path, fresh_dynamo):
+    """With a package key (the engine passes its decode step's), the draft step is saved whole: a later
+    drafter loads it and traces nothing, and its drafts, step after step, are the eager draft step's."""
+    K = 2
+    options = dict(device="cpu", buckets=(1, 2), compile_backend="inductor",
+                   package_key=("a draft step saved whole", str(tmp_path)))
+
+    def drafter_engine(compiled: bool) -> Engine:
+        engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, max_model_len=96,
+                                        speculative="mtp", num_speculative_tokens=K, progress=False)
+        if compiled:
+            engine.drafter.compile(options)
+            engine.drafter.warm_up()
+        return engine
+
+    first = drafter_engine(True).drafter.compiled
+    assert first.packaged and not first.loaded and first.package_path.is_file()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    later, eager = drafter_engine(True), drafter_engine(False)
+    assert later.drafter.compiled.loaded and later.drafter.compiled.package_path == first.package_path
+    prompts = [random_prompt(9, seed=90), random_prompt(14, seed=91)]
+    for engine in (later, eager):
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    compared = 0
+    for _ in range(8):
+        later.step(), eager.step()
+        got = later.drafter.propose(list(later.scheduler.running))
+        want = eager.drafter.propose(list(eager.scheduler.running))
+        assert got == want
+        compared += sum(d is not None for d in got)
+    assert compared >= 8 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+
+
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_mtp_greedy_equals_plain_decoding_and_transformers(K, checkpoint, hf_greedy):
     prompts = [random_prompt(5 + 4 * i, seed=80 + i) for i in range(3)] + [[7, 8, 9] * 5]

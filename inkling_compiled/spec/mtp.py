@@ -90,16 +90,28 @@ class MtpDrafter(Drafter):
     def compile(self, options: dict, pinned: Callable[[], contextlib.AbstractContextManager] | None = None
                 ) -> CompiledStep:
         """The draft step compiled with the engine's step options (`Worker.step_options`: buckets, backend,
-        mode): one graph for every bucket, as the verify step's; replays run under `pinned` (the engine's
+        mode, the decode step's package key): one graph for every bucket, as the verify step's, saved whole
+        beside the decode step where that is (its key the decode step's, the depths and the head pool's
+        shapes), so a later process loads it and traces nothing; replays run under `pinned` (the engine's
         torch state)."""
-        self.compiled = CompiledStep(self.step, self._prepare_padding, kind="MTP draft",
-                                     **{**options, "guarded_sources": self.step.guarded_sources})
-        self.buckets = Buckets(self.compiled.buckets)
-        for backend in self.backends:
-            backend.buffers.mark_for_tracing("verify", self.compiled.symbolic_batch)
-        self.inputs.mark_for_tracing(self.compiled.symbolic_batch)
+        key = options.get("package_key")
+        if key is not None:
+            pool = self.pool
+            key = (*key, "mtp draft", self.depths, self.tokens_per_row, pool.page_size, pool.ring_size,
+                   [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())])
+        compiled = self.compiled = CompiledStep(self.step, self._prepare_padding, kind="MTP draft", **{
+            **options, "guarded_sources": self.step.guarded_sources, "package_key": key})
+        self.buckets = Buckets(compiled.buckets)
+        self._mark(None if compiled.load_package() else compiled.symbolic_batch)
+        compiled.on_unpackage = lambda: self._mark(compiled.symbolic_batch)
         self.pinned = pinned or contextlib.nullcontext
-        return self.compiled
+        return compiled
+
+    def _mark(self, batch: range | None) -> None:
+        """The draft step's slices marked for tracing over `batch` (None: unmarked, for a loaded package)."""
+        for backend in self.backends:
+            backend.buffers.mark_for_tracing("verify", batch)
+        self.inputs.mark_for_tracing(batch)
 
     def _prepare_padding(self, rows: int) -> None:
         for backend in self.backends:
