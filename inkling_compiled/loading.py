@@ -42,18 +42,19 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def column_major(name: str, shape: tuple[int, ...], choices=None) -> bool:
+def column_major(name: str, shape: tuple[int, ...], choices=None, by_shape: bool = True) -> bool:
     """Whether a matmul weight is stored transposed (W^T contiguous). Only the memory layout changes:
     names, shapes and values stay those of the checkpoint.
 
     On CPU with the C++ kernels, `choices` (kernel_choice.KernelChoices) says, from a measurement on
-    this machine. Elsewhere by shape: a GEMV with a wide output streams faster with W^T contiguous.
+    this machine. Elsewhere by shape (`by_shape`): a GEMV with a wide output streams faster with W^T
+    contiguous; without it, as stored.
     """
     if not is_matmul_weight(name, shape):
         return False
     if choices is not None:
         return choices.choice(shape[-2], shape[-1]).column_major
-    return shape[-2] > shape[-1]
+    return by_shape and shape[-2] > shape[-1]
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
@@ -92,6 +93,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         from .kernel_choice import for_this_machine
 
         choices = for_this_machine()
+    # bf16 on CPU keeps every weight as stored, as transformers does: no C++ kernel multiplies bf16, and
+    # ATen's bf16 GEMM rounds by the weight's layout on some CPUs (a transposed W moved tiny's logits by
+    # 0.086 on an AVX2 EPYC, where [O, H] equals transformers bit for bit).
+    by_shape = device.type != "cpu" or dtype == torch.float32
 
     scales: dict[str, torch.Tensor] = {}  # made by quantizing as the load goes
     bad_int8: list[str] = []
@@ -123,7 +128,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         # Always a fresh, allocator-aligned tensor: safetensors hands out views into the mmap at
         # arbitrary alignment, and SIMD kernels round differently on differently aligned data.
         out_dtype = torch.float32 if keeps_fp32(name) else dtype
-        if column_major(name, t.shape, choices):
+        if column_major(name, t.shape, choices, by_shape):
             fresh = torch.empty(t.shape[:-2] + (t.shape[-1], t.shape[-2]), dtype=out_dtype, device=device)
             return fresh.copy_(t.transpose(-1, -2)).transpose(-1, -2)
         return torch.empty(t.shape, dtype=out_dtype, device=device).copy_(t)

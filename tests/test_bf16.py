@@ -162,6 +162,16 @@ def test_bf16_keeps_the_tensors_transformers_keeps_in_fp32(name, checkpoint, hf_
 
 
 @pytest.mark.parametrize("name", PARITY_CONFIGS)
+def test_bf16_on_cpu_keeps_every_weight_as_stored(name, checkpoint):
+    """ATen's bf16 GEMM rounds by the weight's layout on some CPUs (a transposed W moved tiny's logits by
+    0.086 on an AVX2 EPYC): bf16 weights stay [out, in] contiguous, as transformers holds them."""
+    model, _ = load_model(checkpoint(name), dtype=torch.bfloat16)
+    matmuls = {n: p for n, p in model.state_dict().items() if p.dim() >= 2 and p.dtype == torch.bfloat16}
+    assert len(matmuls) > 10
+    assert [n for n, p in matmuls.items() if not p.is_contiguous()] == []
+
+
+@pytest.mark.parametrize("name", PARITY_CONFIGS)
 def test_full_sequence_logits_match_transformers_bf16(name, checkpoint, hf_bf16, hf_model):
     model, _ = load_model(checkpoint(name), dtype=torch.bfloat16)
     prompts = [random_prompt(n, seed=n) for n in PARITY_LENGTHS]
