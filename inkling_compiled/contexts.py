@@ -21,6 +21,7 @@ import torch
 from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
 from .attention import attend_from_scratch
 from .cache import StatePool
+from .cache.pool import BLOCK_TABLE_MIN_WIDTH
 from .config import InklingConfig, LayerGeometry
 from .custom_ops.reference import packed_causal_conv
 from .metadata import StepMetadata
@@ -101,6 +102,15 @@ class PoolContext:
             return torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
                                                   md.cache_indices, layer_id, stream)
 
+    def block_table(self) -> torch.Tensor:
+        """The pool's block table, with what the compiler may assume of its width. The width is a size
+        symbol (one graph for every max_model_len), so without this the compiler cannot tell whether the
+        table's row stride (its width) is 0 or 1: torch 2.11's inductor asks both of every input before
+        it captures a CUDA graph, and fails the compile. The pool never makes it narrower."""
+        table = self.pool.block_table
+        torch._check(table.shape[1] >= BLOCK_TABLE_MIN_WIDTH)
+        return table
+
     def attention(self, layer_id: int, g: LayerGeometry, q, k, v, r, rel_proj) -> torch.Tensor:
         md = self.metadata
         k_cache, v_cache = self.kv_cache(layer_id)
@@ -118,7 +128,7 @@ class PoolContext:
             return torch.ops.inkling.ring_attention(q, k_cache, v_cache, table, md.positions, slots, g.window,
                                                     g.rel_extent, self.pool.ring_size)
         tau = self.config.log_scale(md.positions) if g.log_scaling else None
-        return torch.ops.inkling.paged_attention(q, k_cache, v_cache, table, tau, self.pool.block_table,
+        return torch.ops.inkling.paged_attention(q, k_cache, v_cache, table, tau, self.block_table(),
                                                  slots, seq_lens, self.pool.page_size, g.rel_extent)
 
     def prefill_attention(self, layer_id: int, g: LayerGeometry, q, k, v, table, k_cache, v_cache) -> torch.Tensor:
@@ -139,5 +149,5 @@ class PoolContext:
         tau = self.config.log_scale(md.positions) if g.log_scaling else None
         return torch.ops.inkling.cached_extend_attention(
             q, k, v, k_cache, v_cache, table, tau, md.query_start_loc, md.positions, md.cache_indices,
-            md.sliding_kv_loc if g.sliding else md.global_kv_loc, self.pool.block_table, self.pool.page_size,
+            md.sliding_kv_loc if g.sliding else md.global_kv_loc, self.block_table(), self.pool.page_size,
             self.pool.ring_size, g.window or 0, g.rel_extent)

@@ -296,6 +296,46 @@ def test_every_graph_input_is_a_static_tensor_or_a_size_symbol(graphs, checkpoin
         assert len(others) == 4 + (0 if graphs == "per-bucket" else 1), others
 
 
+def _layout_questions(t: torch.Tensor) -> None:
+    """Asks of a graph input what inductor asks before it captures a CUDA graph (torch 2.11 asks it of
+    every input, static or not, to rule out memory overlap): is each dimension a broadcast (stride 0,
+    size not 1); then, size-1 dimensions dropped, how the strides order and whether each covers the
+    span of the one below. An answer that depends on a size symbol's value raises, and on a GPU the
+    compile fails (seen on an H200: the block table's row stride is its symbolic width)."""
+    for dim in range(t.ndim):
+        if t.stride(dim) == 0 and t.size(dim) != 1:
+            t = torch.ops.aten.slice(t, dim, 0, 1)
+    t = t.squeeze()
+    order = [d for _, d in sorted(zip(t.stride(), range(t.ndim)))]
+    for below, dim in zip(order, order[1:]):
+        bool(t.stride(dim) < t.stride(below) * t.size(below))
+
+
+def test_every_cuda_graph_input_has_a_layout_the_compiler_can_prove(checkpoint):
+    """The decode, verify and MTP draft graphs (the ones CUDA graphs capture), on the fake inputs inductor
+    compiles them from: every layout question above has one answer for every size the pool's and the
+    batch's symbols may take. Fails without the block table's least width (`PoolContext.block_table`)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    unprovable = []
+
+    def ask(gm, example_inputs):
+        for i, t in enumerate(example_inputs):
+            if isinstance(t, torch.Tensor):
+                try:
+                    _layout_questions(t)
+                except torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode as e:
+                    unprovable.append((i, tuple(t.shape), str(e).splitlines()[0]))
+        asked.append(len(example_inputs))
+        return gm.forward
+
+    asked = []
+    compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), speculative="mtp",
+                    num_speculative_tokens=2, compile_backend=aot_autograd(fw_compiler=ask))
+    assert len(asked) == 3  # decode, verify, draft
+    assert unprovable == []
+
+
 class OutputReusingBackend:
     """Returns each graph's outputs in buffers of its own that every call overwrites, as CUDA graph
     replays do, and says so (`reuses_outputs`)."""

@@ -59,11 +59,13 @@ def test_reduce_overhead_replays_match_eager_and_leave_the_same_state(engines):
 
 
 def test_bf16_replays_agree_with_eager_bf16(checkpoint):
-    """bf16 on the GPU path (Triton kernels, CUDA graphs) against the eager bf16 engine: the same tokens
+    """bf16 decode replays (Triton kernels, CUDA graphs) against the eager bf16 engine: the same tokens
     until the first near-tie flips one, and logprobs on the shared prefix within bf16 drift (an order
-    above what rounding moves and far below what a wrong kernel does)."""
+    above what rounding moves and far below what a wrong kernel does). Prefill stays eager in both, so
+    the first token must agree: a compiled extend step fuses bf16 arithmetic in its own order, which
+    flips near-ties of this random model's first token (seen on an H200: 63 against 173)."""
     kw = dict(device="cuda", dtype=torch.bfloat16, max_batch_size=4, progress=False)
-    compiled = Engine.from_pretrained(checkpoint("tiny"), compile=True, buckets=(1, 4), **kw)
+    compiled = Engine.from_pretrained(checkpoint("tiny"), compile=True, compile_extend=False, buckets=(1, 4), **kw)
     eager = Engine.from_pretrained(checkpoint("tiny"), compile=False, **kw)
     prompts = [random_prompt(n, seed=100 + n) for n in (4, 11, 23, 37)]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=True)

@@ -62,7 +62,7 @@ def main() -> None:
             engine = Engine.from_pretrained(path, device=args.device, dtype=args.dtype, max_batch_size=32,
                                             progress=False, specialize_batch_one=args.graphs == "batch-one",
                                             graph_per_bucket=args.graphs == "per-bucket",
-                                            compile_package=not args.no_package)
+                                            compile_package=not args.no_package, compile_extend=False)
             d = engine.worker.decoder
             print(f"{name}: mode={d.mode} graphs {d.graphs()} {'packaged' if d.packaged else 'traced'}, warm-up " +
                   ", ".join(f"bs{b} {s:.1f}s" for b, s in d.compile_seconds.items()))

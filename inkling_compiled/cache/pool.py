@@ -33,6 +33,7 @@ from ..streams import MODEL_STREAMS, StreamTable
 from .allocator import IndexAllocator
 
 LayerTransferCounter = barrier.LayerTransferCounter
+BLOCK_TABLE_MIN_WIDTH = 2
 
 
 def each_layer(*groups) -> list[torch.Tensor]:
@@ -87,8 +88,11 @@ class StatePool:
                                  for name, ts in self.conv.items()}
         self.ring_checkpoints = [torch.zeros(len(ts), rows * R, *ts[0].shape[1:], dtype=dtype, device=device)
                                  for ts in self.sliding_kv]
-        self.block_table = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32, device=device)
-        self.block_table_host = torch.zeros(S + 1, max_pages_per_seq, dtype=torch.int32)  # mirror for prep
+        # Never narrower than BLOCK_TABLE_MIN_WIDTH columns (a step says so to the compiler, see
+        # PoolContext.block_table); a column past max_pages_per_seq is never handed out.
+        width = max(max_pages_per_seq, BLOCK_TABLE_MIN_WIDTH)
+        self.block_table = torch.zeros(S + 1, width, dtype=torch.int32, device=device)
+        self.block_table_host = torch.zeros(S + 1, width, dtype=torch.int32)  # mirror for prep
 
         # Static for Dynamo and CUDA graphs: a compiled step reads and writes them in place, at every replay.
         for t in self.static_tensors():
