@@ -6,7 +6,8 @@ transformers: the shipped checkpoint's demo prompts, greedy, fp32.
 
 Each engine (eager, then compiled) is compared two ways. Teacher-forced: the reference's whole sequence
 (prompt and completion) is scored as a prompt, so every position runs the prefill path on the same
-tokens, and the largest |logprob difference| is reported. Free-running: greedy decode token by token;
+tokens (eagerly in both engines: a step that scores prompt tokens is never the compiled extend graph),
+and the largest |logprob difference| is reported. Free-running: greedy decode token by token;
 the largest |difference| over the tokens both chose, and where the two part, the reference's own margin
 between its token and the device's (a near-tie parts on rounding; a wide margin is a wrong result).
 Exit status 1 when a teacher-forced difference passes --tolerance or a free run parts where the
@@ -28,10 +29,14 @@ NEW_TOKENS = 48
 TOP = 5  # top logprobs the reference keeps per step: the margin to a device's other choice
 
 
-def record(engine: Engine) -> list[dict]:
+def record(engine: Engine, sequences: list[list[int]] | None = None) -> list[dict]:
+    """Greedy outputs of the demo prompts, and the logprobs of `sequences` scored as prompts (by default
+    each prompt with its own output: the reference's; a device scores the reference's, so that a run
+    parting at a near-tie still scores the same tokens)."""
     free = engine.generate(DEMO_PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True,
                                                         top_logprobs=TOP))
-    sequences = [list(o.prompt_token_ids) + list(o.token_ids) for o in free]
+    if sequences is None:
+        sequences = [list(o.prompt_token_ids) + list(o.token_ids) for o in free]
     forced = engine.generate(sequences, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
     return [dict(prompt=list(o.prompt_token_ids), tokens=list(o.token_ids), logprobs=list(o.logprobs),
                  top=[[list(pair) for pair in step] for step in o.top_logprobs], forced=f.prompt_logprobs[1:])
@@ -40,6 +45,8 @@ def record(engine: Engine) -> list[dict]:
 
 def compare(ref: list[dict], got: list[dict], margin: float) -> tuple[float, float, list[str]]:
     """(largest teacher-forced difference, largest free-running difference, problems)."""
+    if [r["prompt"] for r in ref] != [g["prompt"] for g in got]:
+        raise SystemExit("the reference's prompts are not this checkout's demo prompts: record it again (--write)")
     forced = max(abs(a - b) for r, g in zip(ref, got) for a, b in zip(r["forced"], g["forced"]))
     free, problems = 0.0, []
     for n, (r, g) in enumerate(zip(ref, got)):
@@ -77,7 +84,8 @@ def main() -> int:
     for compile in (False, True):
         with Engine.from_pretrained(trained_checkpoint(), device=a.device, compile=compile, **kw) as engine:
             print(f"{a.device} {'compiled' if compile else 'eager'}:")
-            forced, free, problems = compare(ref, record(engine), a.margin)
+            got = record(engine, [r["prompt"] + r["tokens"] for r in ref])
+            forced, free, problems = compare(ref, got, a.margin)
         print(f"  teacher-forced: largest |logprob difference| {forced:.2e}; free-running, shared tokens: {free:.2e}")
         failed |= forced > a.tolerance or bool(problems)
     print("device parity:", "FAILED" if failed else "ok")

@@ -18,6 +18,9 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/inkling-inductor
 export INKLING_CACHE_DIR="${INKLING_CACHE_DIR:-/tmp/inkling-cache}"
 LOGS="${LOGS:-$(mktemp -d)}"
 mkdir -p "$LOGS"
+echo "logs: $LOGS"
+# pytest-xdist, where it is installed, spreads the kernel tests' Triton compiles over four workers.
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")
 failed=0
 
 run_stage() {  # run_stage NAME SECONDS COMMAND... : the stage's output goes to $LOGS/NAME.log
@@ -43,7 +46,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --fo
 
 # Phase 1, side by side.
 # (test_ops' "CUDA" cases hand the Triton launchers CPU tensors: they are for the interpreter only.)
-run_stage kernels 160 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_triton_kernels.py \
+run_stage kernels 160 python3 -m pytest -q -p no:cacheprovider $XDIST tests/test_triton_kernels.py \
     -k "not compiles_for_the_h200" &
 run_stage gpu-tests 160 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py &
 run_stage demo 160 python3 -m inkling_compiled.cli demo --device cuda &

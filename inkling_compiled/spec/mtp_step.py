@@ -49,8 +49,8 @@ def head_pool(block_config, *, max_slots: int, max_model_len: int, page_size: in
                      page_size=page_size, max_pages_per_seq=per_slot, dtype=dtype, device=device,
                      spec_draft_tokens=tokens_per_row)
     table = 1 + torch.arange((max_slots + 1) * per_slot, dtype=torch.int32).view(max_slots + 1, per_slot)
-    pool.block_table_host.copy_(table)
-    pool.block_table.copy_(table)
+    pool.block_table_host[:, :per_slot].copy_(table)  # a column past per_slot (a table's least width) stays 0
+    pool.block_table[:, :per_slot].copy_(table)
     return pool
 
 
