@@ -307,8 +307,9 @@ def _layout_questions(t: torch.Tensor) -> None:
             t = torch.ops.aten.slice(t, dim, 0, 1)
     t = t.squeeze()
     order = [d for _, d in sorted(zip(t.stride(), range(t.ndim)))]
-    for below, dim in zip(order, order[1:]):
-        bool(t.stride(dim) < t.stride(below) * t.size(below))
+    spans_below = [(1, 1)] + [(t.stride(d), t.size(d)) for d in order]  # the smallest stride is held to 1
+    for (stride, size), dim in zip(spans_below, order):
+        bool(t.stride(dim) < stride * size)
 
 
 def test_every_cuda_graph_input_has_a_layout_the_compiler_can_prove(checkpoint):
@@ -317,7 +318,7 @@ def test_every_cuda_graph_input_has_a_layout_the_compiler_can_prove(checkpoint):
     batch's symbols may take. Fails without the block table's least width (`PoolContext.block_table`)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    unprovable = []
+    unprovable, asked = [], []
 
     def ask(gm, example_inputs):
         for i, t in enumerate(example_inputs):
@@ -329,7 +330,6 @@ def test_every_cuda_graph_input_has_a_layout_the_compiler_can_prove(checkpoint):
         asked.append(len(example_inputs))
         return gm.forward
 
-    asked = []
     compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), speculative="mtp",
                     num_speculative_tokens=2, compile_backend=aot_autograd(fw_compiler=ask))
     assert len(asked) == 3  # decode, verify, draft
