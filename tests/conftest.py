@@ -3,7 +3,7 @@ import os
 # Before torch loads: one OpenMP thread (the second core of CI machines is noisy), a project-local
 # inductor cache, and NVTX off.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.realpath(os.path.join(os.path.dirname(__file__), "..", ".cache", "inductor")))
 os.environ.setdefault("NVTX_DISABLE", "1")
 
 import pytest  # noqa: E402
@@ -32,6 +32,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def inductor_cache_stays_put():
+    """Inductor has one cache per process, read from TORCHINDUCTOR_CACHE_DIR at each compile, and an engine
+    given `compile_cache_dir` points it there for good. A test that does so without restoring it would
+    leave every later test compiling into a fresh cache: cold, and sharing no saved step with the rest."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    yield
+    after = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if after != before:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        if before is not None:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+        pytest.fail(f"the test left TORCHINDUCTOR_CACHE_DIR at {after} (it was {before}): set it with "
+                    "monkeypatch.setenv before the engine does, so that it is restored")
 
 
 @pytest.fixture(scope="session")

@@ -209,6 +209,7 @@ def test_the_isa_probe_is_recorded_in_the_machine_cache_not_the_compile_cache(tm
 
     seen = []
     monkeypatch.setenv("INKLING_CACHE_DIR", str(tmp_path / "machine"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the step points it there
     monkeypatch.setattr(vec_isa, "settle", seen.append)
     capture.CompiledStep(torch.nn.Identity(), lambda rows: None, device="cpu", buckets=(1,),
                          cache_dir=tmp_path / "inductor")
