@@ -164,7 +164,7 @@ def test_if_the_aot_compile_fails_the_step_is_traced_with_every_guard(checkpoint
     monkeypatch.setattr(package, "compile_and_save", refuse)
     monkeypatch.setattr(package, "load", lambda compiled, path: False)  # as if nothing were saved yet
     with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
-        compiled = engine(checkpoint, max_batch_size=4)
+        compiled = engine(checkpoint, max_batch_size=4, compile_extend=False)  # the decode step's fallback
     assert "could not compile the step as a package" in caplog.text
     assert compiled.worker.decoder.package_path is None and not compiled.worker.decoder.packaged
     # the instance guard, which a packaged step leaves out, is back: traced steps share Dynamo's cache
@@ -266,7 +266,7 @@ def test_a_speculative_engine_saves_its_verify_step_beside_the_decode_step(check
     """The verify step is saved whole too, its key the decode step's plus K and whether a drafter needs
     hidden states: a later engine with other pool sizes loads both and traces nothing while it
     verifies, with plain decoding's tokens and logprobs; another K has a file of its own."""
-    spec = dict(speculative=Threes(), num_speculative_tokens=2)
+    spec = dict(speculative=Threes(), num_speculative_tokens=2, compile_extend=False)  # decode and verify
     first = engine(checkpoint, max_batch_size=4, **spec)
     decoder, verifier = first.worker.decoder, first.worker.verifier
     assert verifier.packaged and verifier.package_path.is_file() and verifier.package_path != decoder.package_path

@@ -183,7 +183,8 @@ def test_random_schedules_leak_nothing(host_cache_bytes, checkpoint):
 
 
 def test_compiled_engine_with_hits(checkpoint, hf_greedy):
-    engine = engine_for(checkpoint, "tiny", compile=True, buckets=(1, 4))
+    # the default page size (not this module's PAGE): the steps saved by earlier tests load, not compile
+    engine = engine_for(checkpoint, "tiny", compile=True, buckets=(1, 4), page_size=16)
     system = random_prompt(20, seed=30)
     prompts = [system + random_prompt(4, seed=31 + i) for i in range(4)]
     outs = engine.generate(prompts[:1], PARAMS) + engine.generate(prompts[1:], PARAMS)
