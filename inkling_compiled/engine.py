@@ -28,6 +28,7 @@ import torch
 
 from .cache.manager import CacheManager
 from .checks import option_bool, option_int
+from .compile_beside import StepBeside
 from .config import InklingConfig
 from .custom_ops.library import build_in_background
 from .errors import InklingError, OptionError, RequestError
@@ -145,6 +146,7 @@ class Engine:
         if kwargs.get("speculative") == "mtp":
             mtp_depths = option_int("num_speculative_tokens", kwargs.get("num_speculative_tokens", 2), 1,
                                     MAX_SPECULATIVE_TOKENS)
+        parallel = option_bool("parallel_compile", kwargs.pop("parallel_compile", True))
         world = option_int("tensor_parallel_size", kwargs.pop("tensor_parallel_size", 1))
         timeout = kwargs.pop("tensor_parallel_timeout", 300.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
@@ -156,15 +158,25 @@ class Engine:
                 raise TypeError(f"Engine.from_pretrained() got unexpected keyword argument(s) "
                                 f"{', '.join(map(repr, unknown))}")
             return launch.start(cls, path, world, timeout, device, dtype, check_finite, options, quantization)
+        warmup = option_bool("warmup", kwargs.pop("warmup", True))
         model, _ = load_model(path, device=device, dtype=dtype, check_finite=check_finite, mtp_depths=mtp_depths,
                               quantization=quantization)
-        return cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
-                   max_batch_size=max_batch_size, **kwargs)
+        engine = cls(model, tokenizer=TextTokenizer.from_checkpoint(path), device=device, compile=compile,
+                     max_batch_size=max_batch_size, warmup=False, **kwargs)
+        if compile and warmup:
+            beside = None
+            if parallel:  # built after the weights, so that the child reads the kernel choices made for them
+                beside = StepBeside.for_checkpoint(path, device=device, dtype=dtype, check_finite=check_finite,
+                                                     quantization=quantization,
+                                                     options=dict(max_batch_size=max_batch_size, **kwargs))
+            engine.warm_up(beside=beside)
+        return engine
 
-    def warm_up(self, buckets: Sequence[int] | None = None) -> dict[int, float]:
+    def warm_up(self, buckets: Sequence[int] | None = None, beside: StepBeside | None = None) -> dict[int, float]:
         """Compiles (or loads from the cache) the decode graphs of `buckets` (default: all) now, rather
         than on their first use; seconds per bucket. Engines built with warmup=True (the default) have
-        done this for every bucket; a bucket never warmed up compiles on first use."""
+        done this for every bucket; a bucket never warmed up compiles on first use. `beside`: how to
+        compile the decode step in a second process meanwhile (`compile_beside.py`)."""
         decoder = self.worker.decoder
         if decoder is None:
             return {}
@@ -174,7 +186,7 @@ class Engine:
             if self.worker.ranks is not None:
                 self._check_open()
             try:
-                seconds = self.worker.warm_up(buckets, progress=stages)
+                seconds = self.worker.warm_up(buckets, progress=stages, beside=beside)
                 if self.drafter is not None and hasattr(self.drafter, "warm_up"):
                     draft = self.drafter.warm_up(progress=stages, buckets=buckets)
                     seconds = {b: s + draft.get(b, 0.0) for b, s in seconds.items()}
@@ -188,7 +200,9 @@ class Engine:
         verify_note += f", {len(drafting.graphs())} MTP draft graph(s)" if drafting is not None else ""
         extender = self.worker.extender
         extend_note = "; 1 extend graph for every chunk" if extender is not None and extender.graphs() else ""
-        source = " (loaded from its compile package: nothing compiled)" if decoder.loaded else ""
+        source = (" (the decode step compiled in a second process beside the others)"
+                  if self.worker.decoder_compiled_beside else
+                  " (loaded from its compile package: nothing compiled)" if decoder.loaded else "")
         buckets = ", ".join(map(str, sorted(decoder.graph_of)))
         stages.finish(f"decode step ready: {len(decoder.graphs())} graph(s){verify_note} for buckets {buckets}"
                       f"{extend_note} in {time.perf_counter() - t0:.1f} s{source}")

@@ -140,6 +140,7 @@ class Worker:
         # Steps run under the torch state the graphs are compiled for, whatever the caller sets later.
         self.torch_state = PinnedTorchState()
         self.ranks = None  # the other ranks, on rank 0 of a tensor-parallel engine once it leads them
+        self.decoder_compiled_beside = False  # whether a second process compiled the decode step (warm_up)
 
     def _extend_step(self, options: dict, compile_mode: str | None, package_key: tuple | None) -> CompiledStep:
         """The extend step compiled as one graph for every chunk (rows, tokens and checkpoints symbolic,
@@ -230,8 +231,10 @@ class Worker:
                 raise ValueError(f"unknown pool effect {effect.name!r}")
             getattr(self.pool, effect.name)(*effect.args)
 
-    def warm_up(self, buckets: Sequence[int] | None = None, progress=None) -> dict[int, float]:
-        """Compiles (or loads) the compiled steps' graphs for `buckets` (default all); seconds per bucket."""
+    def warm_up(self, buckets: Sequence[int] | None = None, progress=None, beside=None) -> dict[int, float]:
+        """Compiles (or loads) the compiled steps' graphs for `buckets` (default all); seconds per bucket.
+        `beside` (`compile_beside.StepBeside`): the decode step compiles in a second process while this
+        one compiles the others, and is loaded from the package it saves."""
         decoder, verifier = self.decoder, self.verifier
         if decoder is None:
             return {}
@@ -240,16 +243,24 @@ class Worker:
             if any(b not in decoder.buckets for b in buckets):
                 raise OptionError(f"buckets {buckets!r} are not all among the engine's buckets {decoder.buckets}")
         self._send({"op": "warm_up", "buckets": buckets})  # every rank compiles the same graphs, collectives and all
+        extender = self.extender if buckets is None else None
+        verify_progress = progress and (lambda message, done, total: progress(
+            message.replace("decode step", f"verify step (K={self.draft_tokens})"), done, total))
         with self.torch_state.pinned():
-            seconds = decoder.warmup(progress=progress, buckets=buckets)
-            if verifier is not None:
-                verify = verifier.warmup(progress=progress and (lambda message, done, total: progress(
-                    message.replace("decode step", f"verify step (K={self.draft_tokens})"), done, total)),
-                    buckets=buckets)
-                seconds = {b: seconds[b] + verify.get(b, 0.0) for b in seconds}
-            if self.extender is not None and buckets is None:
-                self.extender.warmup(progress=progress)
-        return seconds
+            child = beside.start(decoder, "decode") if beside is not None else None
+            if child is None:
+                seconds = decoder.warmup(progress=progress, buckets=buckets)
+            elif progress:
+                progress("compiling the decode step in a second process")
+            verify = verifier.warmup(progress=verify_progress, buckets=buckets) if verifier is not None else {}
+            if extender is not None:
+                extender.warmup(progress=progress)
+            if child is not None:
+                if child.wait() and decoder.load_package():
+                    self.backend.buffers.mark_for_tracing("decode", None)  # a loaded package takes them unmarked
+                    self.decoder_compiled_beside = True
+                seconds = decoder.warmup(progress=progress, buckets=buckets)
+        return {b: s + verify.get(b, 0.0) for b, s in seconds.items()}
 
     # ---- reports ----------------------------------------------------------------------------------------
 

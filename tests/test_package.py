@@ -329,3 +329,69 @@ def test_engines_with_and_without_the_prefix_cache_keep_extend_packages_of_their
         for w, g in zip(want, got):
             assert g.token_ids == w.token_ids
             assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
+
+
+# ---- the decode step compiled in a second process (compile_beside.py) ----------------------------------
+
+
+def test_the_decode_step_compiles_in_a_second_process_while_this_one_compiles_the_extend_step(
+        checkpoint, tmp_path, monkeypatch, capsys):
+    """With a cold compile cache, a child process compiles and saves the decode step while the engine
+    compiles its extend step; the engine then loads the child's package (it traces only the extend step
+    itself) and decodes as the eager engine does."""
+    from inkling_compiled import compile_beside
+
+    if compile_beside.cores() < 2:
+        pytest.skip("one core: the decode step compiles in this process")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    frames = traced_frames()
+    compiled = engine(checkpoint, max_batch_size=4, progress=True)
+    decoder, extender = compiled.worker.decoder, compiled.worker.extender
+    assert compiled.worker.decoder_compiled_beside and decoder.loaded and decoder.package_path.is_file()
+    assert decoder.package_path.is_relative_to(tmp_path) and decoder.graphs() == [(1, 2, 4)]
+    assert extender.packaged and not extender.loaded  # compiled here, beside the child
+    assert traced_frames() == frames + 1
+    err = capsys.readouterr().err
+    assert "compiling the decode step in a second process" in err and "warming the saved decode step" in err
+    assert_decodes_as_eager(compiled, checkpoint, max_batch_size=4)
+
+
+def test_a_child_that_cannot_make_the_expected_package_leaves_the_step_to_this_process(
+        checkpoint, tmp_path, caplog):
+    """The child builds the engine again and compiles only if its package path is the one asked for; when
+    it is not (a key that differs), it exits without compiling and the parent is told to compile."""
+    from inkling_compiled import compile_beside
+
+    class Step:  # what `start` reads of a CompiledStep
+        package_path, loaded, graph_of = tmp_path / "elsewhere.bin", False, {}
+
+    beside = compile_beside.StepBeside(checkpoint("tiny"), dict(device="cpu", dtype=None, check_finite=True,
+                                                                  quantization=None),
+                                       compile_beside.child_options({"max_batch_size": 4}))
+    child = beside.start(Step(), "decode")
+    with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
+        assert child.wait(timeout=120) is False
+    assert child.proc.returncode == 2 and "compiling the step here" in caplog.text
+    assert "elsewhere.bin" in caplog.text and not Step.package_path.exists()
+    Step.package_path.write_bytes(b"saved")  # already there: nothing for a child to do
+    assert beside.start(Step(), "decode") is None
+
+
+def test_the_child_takes_the_options_that_shape_the_graph_and_small_sizes():
+    from inkling_compiled import compile_beside
+    from inkling_compiled.errors import OptionError
+
+    carried = compile_beside.child_options(dict(max_batch_size=32, num_pages=900, page_size=8, dtype="bfloat16",
+                                                speculative=Threes(), num_speculative_tokens=3, progress=True))
+    assert carried["page_size"] == 8 and carried["num_speculative_tokens"] == 3
+    assert carried["speculative"] == "ngram"  # a drafter object: the n-gram drafter sizes the pool alike
+    assert carried["max_batch_size"] == 1 and carried["num_pages"] is None
+    assert not carried["warmup"] and not carried["progress"] and not carried["parallel_compile"]
+
+    class NeedsHidden(Threes):
+        needs_hidden = True
+
+    assert compile_beside.child_options(dict(speculative=NeedsHidden())) is None
+    assert compile_beside.child_options(dict(seed=object())) is None
+    with pytest.raises(OptionError, match="parallel_compile"):
+        Engine.from_pretrained("no/such/folder", parallel_compile="yes")

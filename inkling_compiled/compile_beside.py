@@ -1,0 +1,147 @@
+"""The decode step compiled in a second process while this one compiles the engine's other steps.
+
+A cold start spends most of its time in Dynamo's and inductor's Python, one graph after another on one
+core. The decode step's graph needs nothing of the extend or verify step's, and the compile package
+(`graphs/package.py`) already lets one process load what another compiled: so an engine made by
+`Engine.from_pretrained` on a machine with a second core starts a child process that builds the same
+engine, compiles only its decode step and saves it, while the parent compiles its verify and extend
+steps; the parent then loads the package and replays each bucket once. The two compiles overlap.
+
+The child builds the engine from the same checkpoint and options, with what only sizes the pool made
+small (a package key holds no size: `Worker.package_key`). It compiles only if its decode step's
+package path is the one the parent expects, so a key that differs in any way (another torch state, an
+option not carried over) means no file and the parent compiles the step itself, as it does when the
+child fails. A drafter object cannot cross a process boundary: n-gram drafting with the same K stands
+in for it (it sizes the pool alike and loads no weights), and when that drafter needs hidden states
+everything is compiled here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .torch_state import SETTINGS
+
+log = logging.getLogger("inkling_compiled")
+
+# Options that only size the pool or the step buffers (none is in a package key): the child keeps its
+# own small. Options the child must not take from the parent: it never warms up, reports or recurses.
+_SIZES = {"max_batch_size": 1, "buckets": None, "num_pages": None, "state_memory_bytes": None, "host_cache_bytes": 0}
+_CHILD = {"warmup": False, "progress": False, "parallel_compile": False}
+# The child's program (not `-m` this module: the package imports it first, and runpy warns of that).
+_CHILD_MAIN = "import sys; from inkling_compiled.compile_beside import main; sys.exit(main(sys.argv[1:]))"
+# How long the parent waits for the child before compiling the step itself.
+TIMEOUT_S = 900.0
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def child_options(options: dict) -> dict | None:
+    """The engine options a child is built with, as JSON values; None when they cannot be carried over
+    (a drafter that needs hidden states, or a value JSON cannot hold)."""
+    out = {**options, **_SIZES, **_CHILD}
+    speculative = out.get("speculative")
+    if speculative is not None and not isinstance(speculative, str):
+        if getattr(speculative, "needs_hidden", False):
+            return None
+        out["speculative"] = "ngram"  # sizes the pool as any drafter with the same K does
+    if out.get("compile_cache_dir") is not None:
+        out["compile_cache_dir"] = str(out["compile_cache_dir"])
+    try:
+        json.dumps(out)
+    except (TypeError, ValueError):
+        return None
+    return out
+
+
+def torch_settings() -> dict:
+    """The torch state the engine pins its steps to (`torch_state.SETTINGS`), as JSON values."""
+    values = {name: get() for name, (get, _) in SETTINGS.items()}
+    values["default_dtype"] = str(values["default_dtype"]).removeprefix("torch.")
+    return values
+
+
+def apply_torch_settings(values: dict) -> None:
+    values = {**values, "default_dtype": getattr(torch, values["default_dtype"])}
+    for name, (_, put) in SETTINGS.items():
+        put(tuple(values[name]) if isinstance(values[name], list) else values[name])
+
+
+class StepBeside:
+    """How to build the engine again in a child: `start` launches the child for a step whose package is not
+    saved yet, and the returned handle's `wait` says whether the package is there to load."""
+
+    def __init__(self, path: str | Path, load: dict, options: dict):
+        self.request = {"path": str(path), "load": load, "options": options}
+
+    @classmethod
+    def for_checkpoint(cls, path, *, device, dtype, check_finite: bool, quantization, options: dict
+                       ) -> "StepBeside | None":
+        """None where a child cannot help: one core, or options that cannot be carried over."""
+        carried = child_options(options)
+        if carried is None or cores() < 2:
+            return None
+        dtype = None if dtype is None else str(dtype).removeprefix("torch.")
+        load = {"device": str(device), "dtype": dtype, "check_finite": check_finite, "quantization": quantization}
+        return cls(path, load, carried)
+
+    def start(self, step, kind: str) -> "_Child | None":
+        """A child compiling the package of `step` (a `CompiledStep`: the engine's step of that `kind`), or
+        None when there is nothing for one to do (no package for this step, or one saved or loaded)."""
+        target = step.package_path
+        if target is None or step.loaded or step.graph_of or Path(target).is_file():
+            return None
+        request = {**self.request, "kind": kind, "expect": str(target), "torch": torch_settings()}
+        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD_MAIN, json.dumps(request)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return _Child(proc, Path(target))
+
+
+class _Child:
+    def __init__(self, proc: subprocess.Popen, target: Path):
+        self.proc, self.target = proc, target
+
+    def wait(self, timeout: float = TIMEOUT_S) -> bool:
+        """Whether the child saved the package (else it is logged and the caller compiles the step)."""
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except BaseException:  # a timeout, or an interrupt of the parent: the child goes too
+            self.proc.kill()
+            self.proc.communicate()
+            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                raise
+            err = f"no answer within {timeout:g} s"
+        if self.proc.returncode == 0 and self.target.is_file():
+            return True
+        tail = (err or "").strip().splitlines()[-1:] or ["no output"]
+        log.warning("the compile in a second process failed (exit %s: %s); compiling the step here",
+                    self.proc.returncode, tail[0][:300])
+        return False
+
+
+def main(argv: list[str]) -> int:
+    """The child: build the engine, compile its step of the asked kind into the expected package, exit."""
+    request = json.loads(argv[0])
+    apply_torch_settings(request["torch"])
+    from .engine import Engine
+
+    engine = Engine.from_pretrained(request["path"], compile=True, **request["load"], **request["options"])
+    step = {"decode": engine.worker.decoder, "extend": engine.worker.extender}[request["kind"]]
+    found = None if step is None else str(step.package_path)
+    if found != request["expect"]:
+        print(f"this engine's {request['kind']} package would be {found}, not {request['expect']}", file=sys.stderr)
+        return 2
+    with engine.worker.torch_state.pinned():
+        step.warmup()
+    return 0 if step.packaged else 1
+
