@@ -36,7 +36,8 @@ log = logging.getLogger("inkling_compiled")
 _SIZES = {"max_batch_size": 1, "buckets": None, "num_pages": None, "state_memory_bytes": None, "host_cache_bytes": 0}
 _CHILD = {"warmup": False, "progress": False, "parallel_compile": False}
 # The child's program (not `-m` this module: the package imports it first, and runpy warns of that).
-_CHILD_MAIN = "import sys; from inkling_compiled.compile_beside import main; sys.exit(main(sys.argv[1:]))"
+_CHILD_MAIN = ("import sys; from inkling_compiled.compile_beside import main; "
+               "from inkling_compiled.engine import Engine; sys.exit(main(sys.argv[1:], Engine))")
 # How long the parent waits for the child before compiling the step itself.
 TIMEOUT_S = 900.0
 
@@ -129,13 +130,12 @@ class _Child:
         return False
 
 
-def main(argv: list[str]) -> int:
-    """The child: build the engine, compile its step of the asked kind into the expected package, exit."""
+def main(argv: list[str], engine_class) -> int:
+    """The child: build the engine (`engine_class`, handed in so that this module imports nothing above
+    it), compile its step of the asked kind into the expected package, exit."""
     request = json.loads(argv[0])
     apply_torch_settings(request["torch"])
-    from .engine import Engine
-
-    engine = Engine.from_pretrained(request["path"], compile=True, **request["load"], **request["options"])
+    engine = engine_class.from_pretrained(request["path"], compile=True, **request["load"], **request["options"])
     step = {"decode": engine.worker.decoder, "extend": engine.worker.extender}[request["kind"]]
     found = None if step is None else str(step.package_path)
     if found != request["expect"]:
