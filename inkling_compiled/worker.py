@@ -131,7 +131,9 @@ class Worker:
                     **options)
                 buffers.symbolic_batch["verify"] = None if verifier.load_package() else verifier.symbolic_batch
                 verifier.on_unpackage = lambda: buffers.mark_for_tracing("verify", verifier.symbolic_batch)
-            if compile_extend and not tensor_parallel:
+            # Not where a drafter reads every prompt token's hidden state: those prefills run eagerly
+            # (`Runner.eager_extend`), so the graph would never run.
+            if compile_extend and not tensor_parallel and not with_hidden:
                 # Whether the pool keeps checkpoints is in the extend step's key: without them their
                 # tensors have no rows, a size the saved graph would keep.
                 extend_key = None if key is None else (*key, "extend", self.pool.checkpoints.capacity > 0)

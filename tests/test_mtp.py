@@ -161,6 +161,18 @@ def test_one_symbolic_draft_graph_no_breaks_and_a_full_census(checkpoint, fresh_
     assert engine.stats()["spec_proposed"] > 0
 
 
+def test_an_mtp_engine_compiles_no_extend_graph_it_would_never_run(checkpoint):
+    """The MTP drafter reads every prompt token's hidden state, which only the eager prefill hands back:
+    the engine compiles decode, verify and draft steps, and no extend step (a cold start's worth of
+    inductor time that would never replay); a drafter that needs no hidden states keeps its extend graph."""
+    mtp = Engine.from_pretrained(checkpoint("tiny"), compile=True, compile_backend="eager", warmup=False,
+                                 max_batch_size=2, progress=False, speculative="mtp", num_speculative_tokens=2)
+    assert mtp.worker.extender is None and mtp.worker.decoder is not None and mtp.worker.verifier is not None
+    ngram = Engine.from_pretrained(checkpoint("tiny"), compile=True, compile_backend="eager", warmup=False,
+                                   max_batch_size=2, progress=False, speculative="ngram", num_speculative_tokens=2)
+    assert ngram.worker.extender is not None
+
+
 def test_the_draft_step_is_saved_whole_and_a_later_engine_loads_it(checkpoint, tmp_path, fresh_dynamo):
     """With a package key (the engine passes its decode step's), the draft step is saved whole: a later
     drafter loads it and traces nothing, and its drafts, step after step, are the eager draft step's."""
