@@ -66,7 +66,7 @@ def _engine_args(args):
     buckets = tuple(args.buckets) if args.buckets else (args.max_batch_size,) if getattr(args, "one_bucket", False) \
         else None
     return dict(device=args.device, dtype=args.dtype, compile=args.compile, compile_extend=args.compile_extend,
-                max_batch_size=args.max_batch_size,
+                parallel_compile=args.parallel_compile, max_batch_size=args.max_batch_size,
                 buckets=buckets, compile_backend=args.compile_backend,
                 prefill_chunk_tokens=args.prefill_chunk_tokens, idle_prefill_tokens=args.idle_prefill_tokens,
                 prefix_cache=args.prefix_cache,
@@ -477,6 +477,9 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
                    help="decode through the compiled decode graph (--no-compile: the eager path)")
     p.add_argument("--compile-extend", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill through the one compiled extend graph too (--no-compile-extend: prefill eagerly)")
+    p.add_argument("--parallel-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="a second process compiles the decode step while this one compiles the others, where the "
+                        "machine has a second core (--no-parallel-compile: one after another, here)")
     p.add_argument("--compile-backend", default="inductor", choices=["inductor", "eager", "aot_eager", "tensorrt"],
                    help="torch.compile backend of the decode graphs")
     p.add_argument("--max-batch-size", type=positive_int, default=max_batch_size,

@@ -114,6 +114,23 @@ def test_no_compile_extend_prefills_eagerly(checkpoint, monkeypatch):
     assert [e.worker.extender is not None for e in built] == [True, False]
 
 
+def test_no_parallel_compile_reaches_the_engine(checkpoint, monkeypatch):
+    """--no-parallel-compile reaches from_pretrained (the default asks for the second process)."""
+    from inkling_compiled.engine import Engine
+
+    asked, real = [], Engine.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        asked.append(kwargs["parallel_compile"])
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(spy))
+    for flags in ([], ["--no-parallel-compile"]):
+        assert main(["generate", "--model", str(checkpoint("tiny")), "--prompt", "5,6,7", "--token-ids",
+                     "--max-new-tokens", "2", "--compile-backend", "eager", *flags]) == 0
+    assert asked == [True, False]
+
+
 def test_every_option_has_help_and_shows_its_default(capsys):
     from inkling_compiled.cli import build_parser
 
