@@ -23,6 +23,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -103,31 +104,41 @@ class StepBeside:
             return None
         request = {**self.request, "kind": kind, "expect": str(target), "torch": torch_settings()}
         env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        err = tempfile.TemporaryFile(mode="w+")  # not a pipe: a chatty child never blocks on a full one
         proc = subprocess.Popen([sys.executable, "-c", _CHILD_MAIN, json.dumps(request)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        return _Child(proc, Path(target))
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        return _Child(proc, Path(target), err)
 
 
 class _Child:
-    def __init__(self, proc: subprocess.Popen, target: Path):
-        self.proc, self.target = proc, target
+    def __init__(self, proc: subprocess.Popen, target: Path, err):
+        self.proc, self.target, self.err = proc, target, err
 
     def wait(self, timeout: float = TIMEOUT_S) -> bool:
         """Whether the child saved the package (else it is logged and the caller compiles the step)."""
         try:
-            _, err = self.proc.communicate(timeout=timeout)
-        except BaseException:  # a timeout, or an interrupt of the parent: the child goes too
-            self.proc.kill()
-            self.proc.communicate()
-            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
-                raise
-            err = f"no answer within {timeout:g} s"
+            self.proc.wait(timeout=timeout)
+            reason = None
+        except subprocess.TimeoutExpired:
+            self.stop()
+            reason = f"no answer within {timeout:g} s"
         if self.proc.returncode == 0 and self.target.is_file():
             return True
-        tail = (err or "").strip().splitlines()[-1:] or ["no output"]
+        if reason is None:
+            self.err.seek(0)
+            lines = [line for line in self.err.read().strip().splitlines() if line.strip()]
+            reason = next((line for line in reversed(lines) if "package would be" in line), lines[-1] if lines
+                          else "no output")
         log.warning("the compile in a second process failed (exit %s: %s); compiling the step here",
-                    self.proc.returncode, tail[0][:300])
+                    self.proc.returncode, reason[:300])
         return False
+
+    def stop(self) -> None:
+        """Ends the child if it still runs (an error or interrupt in the parent) and closes its log."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.err.close()
 
 
 def main(argv: list[str], engine_class) -> int:

@@ -249,19 +249,27 @@ class Worker:
         verify_progress = progress and (lambda message, done, total: progress(
             message.replace("decode step", f"verify step (K={self.draft_tokens})"), done, total))
         with self.torch_state.pinned():
-            child = beside.start(decoder, "decode") if beside is not None else None
+            # A child only where this process has another step to compile meanwhile.
+            others = [s for s in (verifier, extender) if s is not None and not s.loaded and not s.graph_of]
+            child = beside.start(decoder, "decode") if beside is not None and others else None
             if child is None:
                 seconds = decoder.warmup(progress=progress, buckets=buckets)
             elif progress:
                 progress("compiling the decode step in a second process")
-            verify = verifier.warmup(progress=verify_progress, buckets=buckets) if verifier is not None else {}
-            if extender is not None:
-                extender.warmup(progress=progress)
+            try:
+                verify = verifier.warmup(progress=verify_progress, buckets=buckets) if verifier is not None else {}
+                if extender is not None:
+                    extender.warmup(progress=progress)
+                saved = child is not None and child.wait()
+            finally:
+                if child is not None:
+                    child.stop()  # a failed compile here leaves no child running
             if child is not None:
-                if child.wait() and decoder.load_package():
+                loaded = saved and decoder.load_package()
+                if loaded:
                     self.backend.buffers.mark_for_tracing("decode", None)  # a loaded package takes them unmarked
-                    self.decoder_compiled_beside = True
                 seconds = decoder.warmup(progress=progress, buckets=buckets)
+                self.decoder_compiled_beside = loaded and decoder.loaded  # still, if it took its first inputs
         return {b: s + verify.get(b, 0.0) for b, s in seconds.items()}
 
     # ---- reports ----------------------------------------------------------------------------------------

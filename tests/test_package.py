@@ -370,7 +370,8 @@ def test_a_child_that_cannot_make_the_expected_package_leaves_the_step_to_this_p
                                        compile_beside.child_options({"max_batch_size": 4}))
     child = beside.start(Step(), "decode")
     with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
-        assert child.wait(timeout=120) is False
+        assert child.wait(timeout=300) is False
+    child.stop()
     assert child.proc.returncode == 2 and "compiling the step here" in caplog.text
     assert "elsewhere.bin" in caplog.text and not Step.package_path.exists()
     Step.package_path.write_bytes(b"saved")  # already there: nothing for a child to do
