@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .torch_state import SETTINGS
+from .torch_state import SETTINGS, PinnedTorchState
 
 log = logging.getLogger("inkling_compiled")
 
@@ -67,7 +67,7 @@ def child_options(options: dict) -> dict | None:
 
 def torch_settings() -> dict:
     """The torch state the engine pins its steps to (`torch_state.SETTINGS`), as JSON values."""
-    values = {name: get() for name, (get, _) in SETTINGS.items()}
+    values = dict(PinnedTorchState().values)
     values["default_dtype"] = str(values["default_dtype"]).removeprefix("torch.")
     return values
 
@@ -96,13 +96,13 @@ class StepBeside:
         load = {"device": str(device), "dtype": dtype, "check_finite": check_finite, "quantization": quantization}
         return cls(path, load, carried)
 
-    def start(self, step, kind: str) -> "_Child | None":
-        """A child compiling the package of `step` (a `CompiledStep`: the engine's step of that `kind`), or
-        None when there is nothing for one to do (no package for this step, or one saved or loaded)."""
-        target = step.package_path
-        if target is None or step.loaded or step.graph_of or Path(target).is_file():
+    def start(self, decoder) -> "_Child | None":
+        """A child compiling the package of `decoder` (the engine's decode `CompiledStep`), or None when
+        there is nothing for one to do (no package for this step, or one saved or loaded)."""
+        target = decoder.package_path
+        if target is None or decoder.loaded or decoder.graph_of or Path(target).is_file():
             return None
-        request = {**self.request, "kind": kind, "expect": str(target), "torch": torch_settings()}
+        request = {**self.request, "expect": str(target), "torch": torch_settings()}
         env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
         err = tempfile.TemporaryFile(mode="w+")  # not a pipe: a chatty child never blocks on a full one
         proc = subprocess.Popen([sys.executable, "-c", _CHILD_MAIN, json.dumps(request)], env=env,
@@ -143,16 +143,16 @@ class _Child:
 
 def main(argv: list[str], engine_class) -> int:
     """The child: build the engine (`engine_class`, handed in so that this module imports nothing above
-    it), compile its step of the asked kind into the expected package, exit."""
+    it), compile its decode step into the expected package, exit."""
     request = json.loads(argv[0])
     apply_torch_settings(request["torch"])
     engine = engine_class.from_pretrained(request["path"], compile=True, **request["load"], **request["options"])
-    step = {"decode": engine.worker.decoder, "extend": engine.worker.extender}[request["kind"]]
-    found = None if step is None else str(step.package_path)
+    decoder = engine.worker.decoder
+    found = None if decoder is None else str(decoder.package_path)
     if found != request["expect"]:
-        print(f"this engine's {request['kind']} package would be {found}, not {request['expect']}", file=sys.stderr)
+        print(f"this engine's decode package would be {found}, not {request['expect']}", file=sys.stderr)
         return 2
     with engine.worker.torch_state.pinned():
-        step.warmup()
-    return 0 if step.packaged else 1
+        decoder.warmup()
+    return 0 if decoder.packaged else 1
 

@@ -251,7 +251,7 @@ class Worker:
         with self.torch_state.pinned():
             # A child only where this process has another step to compile meanwhile.
             others = [s for s in (verifier, extender) if s is not None and not s.loaded and not s.graph_of]
-            child = beside.start(decoder, "decode") if beside is not None and others else None
+            child = beside.start(decoder) if beside is not None and others else None
             if child is None:
                 seconds = decoder.warmup(progress=progress, buckets=buckets)
             elif progress:
@@ -265,11 +265,10 @@ class Worker:
                 if child is not None:
                     child.stop()  # a failed compile here leaves no child running
             if child is not None:
-                loaded = saved and decoder.load_package()
-                if loaded:
+                if saved and decoder.load_package():
                     self.backend.buffers.mark_for_tracing("decode", None)  # a loaded package takes them unmarked
                 seconds = decoder.warmup(progress=progress, buckets=buckets)
-                self.decoder_compiled_beside = loaded and decoder.loaded  # still, if it took its first inputs
+                self.decoder_compiled_beside = decoder.loaded  # still loaded: it took its first inputs
         return {b: s + verify.get(b, 0.0) for b, s in seconds.items()}
 
     # ---- reports ----------------------------------------------------------------------------------------

@@ -368,14 +368,14 @@ def test_a_child_that_cannot_make_the_expected_package_leaves_the_step_to_this_p
     beside = compile_beside.StepBeside(checkpoint("tiny"), dict(device="cpu", dtype=None, check_finite=True,
                                                                   quantization=None),
                                        compile_beside.child_options({"max_batch_size": 4}))
-    child = beside.start(Step(), "decode")
+    child = beside.start(Step())
     with caplog.at_level(logging.WARNING, logger="inkling_compiled"):
         assert child.wait(timeout=300) is False
     child.stop()
     assert child.proc.returncode == 2 and "compiling the step here" in caplog.text
     assert "elsewhere.bin" in caplog.text and not Step.package_path.exists()
     Step.package_path.write_bytes(b"saved")  # already there: nothing for a child to do
-    assert beside.start(Step(), "decode") is None
+    assert beside.start(Step()) is None
 
 
 def test_the_child_takes_the_options_that_shape_the_graph_and_small_sizes():
