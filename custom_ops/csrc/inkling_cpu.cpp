@@ -758,23 +758,25 @@ INKLING_INLINE float sumv(vec16 v) { return sumv(fold(v)); }
 constexpr int64_t kPrefetch = 256;
 
 // W rows contiguous ([O, H] row-major): R rows x C outputs of dot products, W-wide partial sums.
-// T is the weight's element type (float, or int8 whose scale comes later).
+// T is the weight's element type (float, or int8 whose scale comes later). Output c's weight row starts
+// at w + c * w_c and its sums go to y[r * O + c * y_c]; with `ahead` > 0, each of those rows asks for
+// its weights `ahead` elements further on, one line at a time.
 template <int W, int R, int C, typename T>
-INKLING_INLINE void dot_block(const float* x, int64_t H, const T* w, int64_t w_o, int64_t O, float* y,
+INKLING_INLINE void dot_block(const float* x, int64_t H, const T* w, int64_t w_c, int64_t O, float* y, int64_t y_c,
                                int64_t ahead) {
   vecf<W> acc[R][C] = {};
   int64_t h = 0;
   for (; h + W <= H; h += W) {
-    if (starts_line<W, T>(h)) {  // one request per 64-byte line
+    if (ahead > 0 && starts_line<W, T>(h)) {
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * w_o + ahead + h, 0, 2);
+      for (int c = 0; c < C; ++c) __builtin_prefetch(w + c * w_c + ahead + h, 0, 2);
     }
     vecf<W> xv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) xv[r] = loadv<W>(x + r * H + h);
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const vecf<W> wv = loadw<W>(w + c * w_o + h);
+      const vecf<W> wv = loadw<W>(w + c * w_c + h);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[r][c] += xv[r] * wv;
     }
@@ -782,36 +784,32 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const T* w, int64_t w_o
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       float total = sumv(acc[r][c]);
-      for (int64_t t = h; t < H; ++t) total += x[r * H + t] * w[c * w_o + t];
-      y[r * O + c] = total;
+      for (int64_t t = h; t < H; ++t) total += x[r * H + t] * w[c * w_c + t];
+      y[r * O + c * y_c] = total;
     }
 }
 
-// One panel of outputs [o, o + width) of W's layout for R rows: 4 outputs, or the last panel's rest.
+// R rows of x by one panel: 4 outputs, strided as in dot_block, or a single one (width 1).
 template <int W, int R, typename T>
-INKLING_INLINE void dot_panel(const float* x, int64_t H, const T* w, int64_t O, int64_t w_o, int64_t o,
-                              int64_t width, float* y) {
-  const int64_t ahead = 4 * w_o;  // the next panel, so that it streams in while this one is reused
-  if (width == 4) {
-    dot_block<W, R, 4>(x, H, w + o * w_o, w_o, O, y + o, ahead);
-    return;
-  }
-  for (int64_t c = o; c < o + width; ++c) dot_block<W, R, 1>(x, H, w + c * w_o, w_o, O, y + c, ahead);
+INKLING_INLINE void dot_panel(const float* x, int64_t H, const T* w, int64_t w_c, int64_t O, int width, float* y,
+                              int64_t y_c, int64_t ahead) {
+  if (width == 4) dot_block<W, R, 4>(x, H, w, w_c, O, y, y_c, ahead);
+  else dot_block<W, R, 1>(x, H, w, w_c, O, y, y_c, ahead);
 }
 
-// W's layout, outputs [o0, o1) (o0 a multiple of 4): panels of 4 outputs outermost, so that a panel
-// (4 rows of W) comes from memory once and serves every block of rows from cache. Rows go 4 at a time
-// where there are 32 registers (16 accumulators), 2 at a time where there are 16.
+// One panel for all n rows, in blocks of rows that each read the panel's weights: from memory in the
+// first block, from L1 in the others. Rows go 4 at a time where there are 32 registers (16
+// accumulators), 2 at a time where there are 16.
 template <int W, typename T>
-INKLING_INLINE void dot_panel_rows(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
-                                   int64_t o, int64_t width, float* y) {
+INKLING_INLINE void dot_panel_rows(const float* x, int64_t n, int64_t H, const T* w, int64_t w_c, int64_t O,
+                                   int width, float* y, int64_t y_c, int64_t ahead) {
   constexpr int kRows = W == 16 ? 4 : 2;
   int64_t r = 0;
-  for (; r + kRows <= n; r += kRows) dot_panel<W, kRows>(x + r * H, H, w, O, w_o, o, width, y + r * O);
+  for (; r + kRows <= n; r += kRows) dot_panel<W, kRows>(x + r * H, H, w, w_c, O, width, y + r * O, y_c, ahead);
   switch (n - r) {
-    case 3: dot_panel<W, 3>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
-    case 2: dot_panel<W, 2>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
-    case 1: dot_panel<W, 1>(x + r * H, H, w, O, w_o, o, width, y + r * O); break;
+    case 3: dot_panel<W, 3>(x + r * H, H, w, w_c, O, width, y + r * O, y_c, ahead); break;
+    case 2: dot_panel<W, 2>(x + r * H, H, w, w_c, O, width, y + r * O, y_c, ahead); break;
+    case 1: dot_panel<W, 1>(x + r * H, H, w, w_c, O, width, y + r * O, y_c, ahead); break;
     default: break;
   }
 }
@@ -828,30 +826,45 @@ template <int W>
 INKLING_INLINE void widen_row(const int8_t* q, int64_t H, float* out, int64_t ahead) {
   int64_t h = 0;
   for (; h + W <= H; h += W) {
-    if (starts_line<W, int8_t>(h)) __builtin_prefetch(q + ahead + h, 0, 2);
+    if (ahead > 0 && starts_line<W, int8_t>(h)) __builtin_prefetch(q + ahead + h, 0, 2);
     storev<W>(out + h, loadw<W>(q + h));
   }
   for (; h < H; ++h) out[h] = q[h];
 }
 
+// W's layout, outputs [o0, o1). A panel's four outputs lie a quarter of the range apart, so the weight
+// streams from memory as four sequential streams at once (panel p reads rows o0 + p + {0, 1, 2, 3} *
+// quarter): on an AMD EPYC (Zen 4) a range of 1 MB read this way came at 28-29 GB/s a thread where
+// panels of four adjacent rows came at 21-22. With one or two rows of x the hardware's prefetchers
+// keep up alone (asking for the next row cost 10-15 %); from three, the multiply-adds between loads
+// leave them short, and each stream asks for its next row. The rest of the range (under 4 outputs)
+// goes one output at a time. Which panel an output lands in changes no operation on it: the result is
+// the same whatever the range.
 template <int W, typename T>
 INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
                                 int64_t o0, int64_t o1, float* y) {
   constexpr int kRows = W == 16 ? 4 : 2;
+  const int64_t quarter = (o1 - o0) / 4, rest = o0 + 4 * quarter;
+  const int64_t ahead = n <= 2 ? 0 : w_o;
   if constexpr (std::is_same_v<T, int8_t>) {
     // More rows than one block: widening the panel in every block would cost more than the weight's
     // read, so each panel is widened once into a cache-resident buffer that every block then reads.
     if (n > kRows) {
       float* panel = panel_buffer(4 * H);
-      for (int64_t o = o0; o < o1; o += 4) {
-        const int64_t width = std::min<int64_t>(4, o1 - o);
-        for (int64_t c = 0; c < width; ++c) widen_row<W>(w + (o + c) * w_o, H, panel + c * H, 4 * w_o);
-        dot_panel_rows<W>(x, n, H, panel, O, H, 0, width, y + o);
+      for (int64_t p = o0; p < o0 + quarter; ++p) {
+        for (int64_t c = 0; c < 4; ++c) widen_row<W>(w + (p + c * quarter) * w_o, H, panel + c * H, w_o);
+        dot_panel_rows<W>(x, n, H, panel, H, O, 4, y + p, quarter, 0);
+      }
+      for (int64_t o = rest; o < o1; ++o) {
+        widen_row<W>(w + o * w_o, H, panel, 0);
+        dot_panel_rows<W>(x, n, H, panel, 0, O, 1, y + o, 0, 0);
       }
       return;
     }
   }
-  for (int64_t o = o0; o < o1; o += 4) dot_panel_rows<W>(x, n, H, w, O, w_o, o, std::min<int64_t>(4, o1 - o), y);
+  for (int64_t p = o0; p < o0 + quarter; ++p)
+    dot_panel_rows<W>(x, n, H, w + p * w_o, quarter * w_o, O, 4, y + p, quarter, ahead);
+  for (int64_t o = rest; o < o1; ++o) dot_panel_rows<W>(x, n, H, w + o * w_o, 0, O, 1, y + o, 0, ahead);
 }
 
 constexpr int64_t kGroup = 8;  // rows of W^T read together (axpy_outputs below)
@@ -1507,8 +1520,11 @@ struct SplitMatmul {
               int64_t O_, int64_t w_o_, int64_t w_h_, float* y_)
       : x(x_), n(n_), H(H_), w(w_), wq(wq_), scale(scale_), O(O_), w_o(w_o_), w_h(w_h_), y(y_), partial(nullptr) {
     if (w_h == 1) {
-      // Panels of 4 outputs, enough of them that a task reads kTaskBytes.
-      o_step = 4 * std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, 4 * elem_bytes() * H));
+      // One range of outputs per thread, each at least kTaskBytes of weight: a longer range streams
+      // faster (dot_outputs), and outputs are independent, so the split changes no result.
+      const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+      o_step = std::max((O + threads - 1) / threads, kTaskBytes / std::max<int64_t>(1, elem_bytes() * H));
+      o_step = std::max<int64_t>(4, (o_step + 3) / 4 * 4);
     } else if (n >= kBlockedRows) {
       // Every term in one task: axpy_rows_outputs sums each output over all of them in order (fewer
       // rows add chunks' partial sums, so a row's last bits may differ from the same row in a smaller
