@@ -340,13 +340,16 @@ STARTUP_PHASES = (  # (name, inductor cache folder, compile_package): each phase
     ("warm, traced", "traced", False))
 
 
-def compile_times(config: str, max_batch_size: int = 32, draft_tokens: int = 0) -> dict:
+def compile_times(config: str, max_batch_size: int = 32, draft_tokens: int = 0,
+                  parallel_compile: bool = True) -> dict:
     """Warm-up of every default bucket in a new process: cold (empty compile cache) and warm (the same
     cache again), with the step saved and loaded whole (the default) and traced by Dynamo each time
     (`compile_package=False`, a cache of its own). Per phase: seconds per bucket, to a ready engine
     (`total_s`, from the start of the process's imports) and to its first generated token
     (`first_token_s`). With `draft_tokens`, the engine also compiles a verify step for that many drafts
-    (n-gram drafter), and its buckets' seconds and graphs are reported too."""
+    (n-gram drafter), and its buckets' seconds and graphs are reported too. `parallel_compile` is the
+    engine's option: with it, a cold phase may compile the decode step in a second process
+    (`compiled_beside`), whose buckets' seconds are then this process's load and first replay."""
     spec = f"speculative='ngram', num_speculative_tokens={draft_tokens}, " if draft_tokens else ""
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = build_tiny_checkpoint(Path(tmp) / config, config)
@@ -356,11 +359,12 @@ def compile_times(config: str, max_batch_size: int = 32, draft_tokens: int = 0) 
             script = ("import json, sys, time, torch; torch.set_num_threads(1); t = time.perf_counter(); "
                       "from inkling_compiled.engine import Engine; "
                       f"e = Engine.from_pretrained(sys.argv[1], max_batch_size={max_batch_size}, progress=False, "
-                      f"{spec}compile_package={packaged}); "
+                      f"{spec}compile_package={packaged}, parallel_compile={parallel_compile}); "
                       "ready = time.perf_counter() - t; e.generate([3, 4, 5]); v = e.worker.verifier; "
                       "print(json.dumps({'buckets': e.worker.decoder.compile_seconds, 'graphs': e.worker.decoder.graphs(), "
                       "'verify_buckets': v and v.compile_seconds, 'verify_graphs': v and v.graphs(), "
-                      "'packaged': e.worker.decoder.packaged, 'total_s': ready, "
+                      "'packaged': e.worker.decoder.packaged, 'compiled_beside': e.worker.decoder_compiled_beside, "
+                      "'total_s': ready, "
                       "'first_token_s': time.perf_counter() - t}))")
             run = subprocess.run([sys.executable, "-c", script, str(ckpt)], env=env, capture_output=True, text=True,
                                  check=True)

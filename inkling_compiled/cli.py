@@ -103,7 +103,9 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"checkpoint: {path} ({about})")
     if engine.worker.decoder is not None:
         warm = ", ".join(f"bucket {b}: {t:.1f} s" for b, t in engine.worker.decoder.compile_seconds.items())
-        print(f"compiled decode graphs ({args.compile_backend}): {warm}")
+        beside = " (compiled in a second process; the seconds are this one's load and first replay)" \
+            if engine.worker.decoder_compiled_beside else ""
+        print(f"compiled decode graphs ({args.compile_backend}): {warm}{beside}")
     ranks = f", {args.tensor_parallel_size} tensor-parallel ranks" if args.tensor_parallel_size > 1 else ""
     print(f"{len(DEMO_PROMPTS)} prompts in one continuous batch, compile={args.compile}{ranks}")
     for prompt, out in zip(DEMO_PROMPTS, outs):
@@ -218,7 +220,8 @@ def _bench(args: argparse.Namespace) -> int:
         print()
         print(quantization_table(results, engines))
     if args.compile_times:
-        results["compile_times"] = {c: compile_times(c, max(args.batches), args.compile_times_verify)
+        results["compile_times"] = {c: compile_times(c, max(args.batches), args.compile_times_verify,
+                                                     parallel_compile=args.parallel_compile)
                                     for c in args.compile_times}
         for c, t in results["compile_times"].items():
             verify = f" and a verify step for K={args.compile_times_verify}" if args.compile_times_verify else ""
@@ -226,6 +229,7 @@ def _bench(args: argparse.Namespace) -> int:
                   "first token in brackets):")
             for phase, r in t.items():
                 graphs = f", verify graphs {r['verify_graphs']}" if r["verify_graphs"] else ""
+                graphs += ", the decode step compiled in a second process" if r["compiled_beside"] else ""
                 print(f"  {phase:<13} {r['total_s']:6.1f} s  ({r['first_token_s']:.1f} s){graphs}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
