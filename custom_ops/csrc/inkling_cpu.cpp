@@ -834,10 +834,11 @@ INKLING_INLINE void widen_row(const int8_t* q, int64_t H, float* out, int64_t ah
 
 // W's layout, outputs [o0, o1). A panel's four outputs lie a quarter of the range apart, so the weight
 // streams from memory as four sequential streams at once (panel p reads rows o0 + p + {0, 1, 2, 3} *
-// quarter): on an AMD EPYC (Zen 4) a range of 1 MB read this way came at 28-29 GB/s a thread where
-// panels of four adjacent rows came at 21-22. With one or two rows of x the hardware's prefetchers
-// keep up alone (asking for the next row cost 10-15 %); from three, the multiply-adds between loads
-// leave them short, and each stream asks for its next row. The rest of the range (under 4 outputs)
+// quarter): on an AMD EPYC (Zen 4) 1-8 MB weights read this way came at 24-28 GB/s a thread at one or
+// two rows where panels of four adjacent rows came at 17-21 (tools/bench_matmul.py --from-memory 512).
+// With one or two rows of x the hardware's prefetchers keep up alone (asking for the next row cost
+// 10-15 % in a standalone loop); from three, the multiply-adds between loads leave them short, and
+// each stream asks for its next row. The rest of the range (under 4 outputs)
 // goes one output at a time. Which panel an output lands in changes no operation on it: the result is
 // the same whatever the range.
 template <int W, typename T>
