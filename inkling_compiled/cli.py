@@ -572,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--png", default="bench-decode.png", help="plot (needs matplotlib: the [bench] extra)")
     bench.add_argument("--compile-times", nargs="*", default=[], metavar="CONFIG",
                        help="also time cold and warm warm-up of all default buckets for these configs, packaged and traced")
+    bench.add_argument("--parallel-compile", action=argparse.BooleanOptionalAction, default=True,
+                       help="--compile-times: the engine's parallel_compile (--no-parallel-compile: every step "
+                            "compiled in the one process)")
     bench.add_argument("--compile-times-verify", type=positive_int, default=0, metavar="K",
                        help="--compile-times: the engine also compiles a verify step for K drafts (n-gram drafter)")
     bench.add_argument("--speculative", nargs="+", choices=["ngram", "mtp", "replay"], default=None,
