@@ -131,6 +131,30 @@ def test_no_parallel_compile_reaches_the_engine(checkpoint, monkeypatch):
     assert asked == [True, False]
 
 
+def test_bench_compile_times_takes_the_parallel_compile_flag(monkeypatch, tmp_path, capsys):
+    """bench --compile-times hands --no-parallel-compile to its start-up phases (default: the second
+    process), and says which phases compiled the decode step beside the others."""
+    import inkling_compiled.bench as bench
+
+    asked = []
+
+    def phases(config, max_batch_size, draft_tokens, parallel_compile):
+        asked.append(parallel_compile)
+        one = {"buckets": {"1": 1.0}, "verify_graphs": None, "total_s": 2.0, "first_token_s": 2.5,
+               "compiled_beside": parallel_compile}
+        return {"cold": one, "warm": {**one, "compiled_beside": False}}
+
+    monkeypatch.setattr(bench, "compile_times", phases)
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: {"runs": []})
+    monkeypatch.setattr(bench, "markdown_table", lambda *a, **k: "")
+    for flags in ([], ["--no-parallel-compile"]):
+        assert main(["bench", "--configs", "tiny", "--engines", "compiled", "--compile-times", "tiny",
+                     "--json", str(tmp_path / "b.json"), "--png", str(tmp_path / "b.png"), *flags]) == 0
+    assert asked == [True, False]
+    out = capsys.readouterr().out
+    assert out.count("the decode step compiled in a second process") == 1
+
+
 def test_every_option_has_help_and_shows_its_default(capsys):
     from inkling_compiled.cli import build_parser
 
