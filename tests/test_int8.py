@@ -107,6 +107,22 @@ def test_linear_int8_matches_the_rule_from_1_to_300_rows(column_major):
             assert (got - want).abs().max().item() < 1e-4, (o, h, rows)
 
 
+@pytest.mark.parametrize("h", [12, 24, 40, 130])  # a vector tail of 8-15 terms (AVX-512), of 4-7 (AVX2), of 2
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(h):
+    """In W's layout below 20 rows each output is one dot product whatever the batch: a row alone, or in a
+    batch that takes the widened-panel path (more rows than one block), gives the same bits, int8 and
+    fp32. The int8 kernel once summed a long vector tail fused in one path and unfused in the other."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(8, h, generator=g) / 10
+    q, scale = rule(w)
+    x = torch.randn(9, h, generator=g)
+    for op, args in (("linear_int8", (q, scale)), ("linear", (w,))):
+        batch = getattr(torch.ops.inkling, op)(x, *args)
+        for rows in range(1, 9):
+            alone = getattr(torch.ops.inkling, op)(x[:rows], *args)
+            assert torch.equal(alone, batch[:rows]), (op, h, rows)
+
+
 def test_moe_experts_int8_matches_a_plain_loop():
     g = torch.Generator().manual_seed(2)
     E, k, H, I = 8, 2, 48, 40

@@ -722,10 +722,16 @@ INKLING_INLINE vecf<W> loadw(const float* p) {
 template <int W>
 INKLING_INLINE vecf<W> loadw(const int8_t* p) {
   veci<W> wide;
+  // The bytes go in through a register, not a memory operand: with an "m" operand GCC kept the
+  // callers' accumulators on the stack, loading and storing them around every multiply-add.
   if constexpr (W == 16) {
-    asm("vpmovsxbd %1, %0" : "=v"(wide) : "m"(*reinterpret_cast<const typename Lanes<16>::b*>(p)));
+    typename Lanes<16>::b b;
+    std::memcpy(&b, p, sizeof b);
+    asm("vpmovsxbd %1, %0" : "=v"(wide) : "v"(b));
   } else if constexpr (W == 8) {
-    asm("vpmovsxbd %1, %0" : "=x"(wide) : "m"(*reinterpret_cast<const typename Lanes<8>::b*>(p)));
+    typename Lanes<8>::b b;
+    std::memcpy(&b, p, sizeof b);
+    asm("vpmovsxbd %1, %0" : "=x"(wide) : "x"(b));
   } else {
     typename Lanes<W>::b b;
     std::memcpy(&b, p, sizeof b);
@@ -784,7 +790,9 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const T* w, int64_t w_c
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       float total = sumv(acc[r][c]);
-      for (int64_t t = h; t < H; ++t) total += x[r * H + t] * w[c * w_c + t];
+      // Fused one term at a time: a plain `+=` here was vectorised for float weights (the widened int8
+      // panel) and not for int8 ones, so a row's last bits depended on the rows beside it.
+      for (int64_t t = h; t < H; ++t) total = __builtin_fmaf(x[r * H + t], static_cast<float>(w[c * w_c + t]), total);
       y[r * O + c * y_c] = total;
     }
 }
@@ -814,22 +822,11 @@ INKLING_INLINE void dot_panel_rows(const float* x, int64_t n, int64_t H, const T
   }
 }
 
-// The calling thread's buffer for int8 weights widened to floats: a panel of 4 rows of W (dot_outputs)
-// or a strip of W^T (axpy_rows_outputs); one call uses one at a time.
+// The calling thread's buffer for a strip of an int8 W^T widened to floats (axpy_rows_outputs).
 float* panel_buffer(int64_t floats) {
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
   return buffer.data();
-}
-
-template <int W>
-INKLING_INLINE void widen_row(const int8_t* q, int64_t H, float* out, int64_t ahead) {
-  int64_t h = 0;
-  for (; h + W <= H; h += W) {
-    if (ahead > 0 && starts_line<W, int8_t>(h)) __builtin_prefetch(q + ahead + h, 0, 2);
-    storev<W>(out + h, loadw<W>(q + h));
-  }
-  for (; h < H; ++h) out[h] = q[h];
 }
 
 // W's layout, outputs [o0, o1). A panel's four outputs lie a quarter of the range apart, so the weight
@@ -838,31 +835,15 @@ INKLING_INLINE void widen_row(const int8_t* q, int64_t H, float* out, int64_t ah
 // two rows where panels of four adjacent rows came at 17-21 (tools/bench_matmul.py --from-memory 512).
 // With one or two rows of x the hardware's prefetchers keep up alone (asking for the next row cost
 // 10-15 % in a standalone loop); from three, the multiply-adds between loads leave them short, and
-// each stream asks for its next row. The rest of the range (under 4 outputs)
-// goes one output at a time. Which panel an output lands in changes no operation on it: the result is
-// the same whatever the range.
+// each stream asks for its next row. The rest of the range (under 4 outputs) goes one output at a
+// time. Which panel an output lands in changes no operation on it: the result is the same whatever
+// the range. int8 weights are widened in registers by every block of rows that reads them: up to the
+// 32 rows the few-row kernel takes, that was faster than widening each panel once into a buffer.
 template <int W, typename T>
 INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
                                 int64_t o0, int64_t o1, float* y) {
-  constexpr int kRows = W == 16 ? 4 : 2;
   const int64_t quarter = (o1 - o0) / 4, rest = o0 + 4 * quarter;
   const int64_t ahead = n <= 2 ? 0 : w_o;
-  if constexpr (std::is_same_v<T, int8_t>) {
-    // More rows than one block: widening the panel in every block would cost more than the weight's
-    // read, so each panel is widened once into a cache-resident buffer that every block then reads.
-    if (n > kRows) {
-      float* panel = panel_buffer(4 * H);
-      for (int64_t p = o0; p < o0 + quarter; ++p) {
-        for (int64_t c = 0; c < 4; ++c) widen_row<W>(w + (p + c * quarter) * w_o, H, panel + c * H, w_o);
-        dot_panel_rows<W>(x, n, H, panel, H, O, 4, y + p, quarter, 0);
-      }
-      for (int64_t o = rest; o < o1; ++o) {
-        widen_row<W>(w + o * w_o, H, panel, 0);
-        dot_panel_rows<W>(x, n, H, panel, 0, O, 1, y + o, 0, 0);
-      }
-      return;
-    }
-  }
   for (int64_t p = o0; p < o0 + quarter; ++p)
     dot_panel_rows<W>(x, n, H, w + p * w_o, quarter * w_o, O, 4, y + p, quarter, ahead);
   for (int64_t o = rest; o < o1; ++o) dot_panel_rows<W>(x, n, H, w + o * w_o, 0, O, 1, y + o, 0, ahead);
