@@ -109,9 +109,10 @@ def test_linear_int8_matches_the_rule_from_1_to_300_rows(column_major):
 
 @pytest.mark.parametrize("h", [12, 24, 40, 130])  # a vector tail of 8-15 terms (AVX-512), of 4-7 (AVX2), of 2
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(h):
-    """In W's layout below 20 rows each output is one dot product whatever the batch: a row alone, or in a
-    batch that takes the widened-panel path (more rows than one block), gives the same bits, int8 and
-    fp32. The int8 kernel once summed a long vector tail fused in one path and unfused in the other."""
+    """In W's layout below 20 rows each output is one dot product whatever the batch: a row alone or in a
+    batch of several blocks of rows gives the same bits, int8 and fp32. The int8 kernel once widened
+    the weights of a multi-block batch into a float panel and summed their vector tail unfused there,
+    fused otherwise."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(8, h, generator=g) / 10
     q, scale = rule(w)

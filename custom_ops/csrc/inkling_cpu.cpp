@@ -790,8 +790,8 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const T* w, int64_t w_c
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
       float total = sumv(acc[r][c]);
-      // Fused one term at a time: a plain `+=` here was vectorised for float weights (the widened int8
-      // panel) and not for int8 ones, so a row's last bits depended on the rows beside it.
+      // Fused one term at a time, the same for either weight type: GCC vectorises a plain `+=` here
+      // (unfused) for float weights and not for int8 ones.
       for (int64_t t = h; t < H; ++t) total = __builtin_fmaf(x[r * H + t], static_cast<float>(w[c * w_c + t]), total);
       y[r * O + c * y_c] = total;
     }
@@ -1505,8 +1505,7 @@ struct SplitMatmul {
       // One range of outputs per thread, each at least kTaskBytes of weight: a longer range streams
       // faster (dot_outputs), and outputs are independent, so the split changes no result.
       const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-      o_step = std::max((O + threads - 1) / threads, kTaskBytes / std::max<int64_t>(1, elem_bytes() * H));
-      o_step = std::max<int64_t>(4, (o_step + 3) / 4 * 4);
+      o_step = std::max<int64_t>({1, (O + threads - 1) / threads, kTaskBytes / std::max<int64_t>(1, elem_bytes() * H)});
     } else if (n >= kBlockedRows) {
       // Every term in one task: axpy_rows_outputs sums each output over all of them in order (fewer
       // rows add chunks' partial sums, so a row's last bits may differ from the same row in a smaller
