@@ -124,6 +124,36 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(h):
             assert torch.equal(alone, batch[:rows]), (op, h, rows)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it_in_every_build(isa):
+    """The same, in the builds this CPU does not pick itself (forced, in a subprocess): each reduces a
+    block of rows' sums its own width at a time, and a row alone takes another path."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from inkling_compiled.custom_ops.library import cpu_isa\n"
+        "g = torch.Generator().manual_seed(4)\n"
+        "differ = []\n"
+        "for o, h in [(8, 12), (8, 24), (12, 40), (16, 130)]:\n"
+        "    w = torch.randn(o, h, generator=g) / 10\n"
+        "    q = torch.randint(-127, 128, (o, h), generator=g, dtype=torch.int8)\n"
+        "    scale = torch.rand(o, generator=g) / 100\n"
+        "    x = torch.randn(9, h, generator=g)\n"
+        "    for op, args in (('linear_int8', (q, scale)), ('linear', (w,))):\n"
+        "        batch = getattr(torch.ops.inkling, op)(x, *args)\n"
+        "        differ += [(op, o, h, rows) for rows in range(1, 9)\n"
+        "                   if not torch.equal(getattr(torch.ops.inkling, op)(x[:rows], *args), batch[:rows])]\n"
+        "print(cpu_isa(), len(differ), differ[:3])")
+    env = {**os.environ, "INKLING_CPU_ISA": isa, "INKLING_FEW_ROWS": "64"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    chosen, count, first = done.stdout.split(maxsplit=2)
+    assert chosen in (isa, "portable")
+    assert count == "0", first
+
+
 def test_moe_experts_int8_matches_a_plain_loop():
     g = torch.Generator().manual_seed(2)
     E, k, H, I = 8, 2, 48, 40

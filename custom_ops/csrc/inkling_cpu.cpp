@@ -759,6 +759,58 @@ INKLING_INLINE float sumv(vec4 q) { return (q[0] + q[2]) + (q[1] + q[3]); }
 INKLING_INLINE float sumv(vec8 v) { return sumv(fold(v)); }
 INKLING_INLINE float sumv(vec16 v) { return sumv(fold(v)); }
 
+// sumv's tree for W vectors at once (the AVX-512 and AVX2 builds): a level of the tree adds the lanes
+// S apart in a pair of vectors with one add over both, and the last level leaves one vector to store,
+// where sumv ends each vector in scalar adds. Levels S = W/2 ... 1 take W vectors to one, whose lane
+// 4 * (i % (W / 4)) + i / (W / 4) is vector i's sum, bit for bit what sumv gives it: every lane meets
+// the same partner at every level.
+template <int S>
+INKLING_INLINE vec16 fold_pair(vec16 a, vec16 b) {
+  if constexpr (S == 8)
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  else if constexpr (S == 4)
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  else if constexpr (S == 2)  // within each 128-bit lane from here on
+    return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  else
+    return __builtin_shufflevector(a, b, 0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30) +
+           __builtin_shufflevector(a, b, 1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31);
+}
+template <int S>
+INKLING_INLINE vec8 fold_pair(vec8 a, vec8 b) {
+  if constexpr (S == 4)
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  else if constexpr (S == 2)
+    return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  else
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+// One level: N vectors to N / 2, in place.
+template <int S, int N, class V>
+INKLING_INLINE void fold_level(V* v) {
+#pragma GCC unroll 8
+  for (int i = 0; i < N / 2; ++i) v[i] = fold_pair<S>(v[2 * i], v[2 * i + 1]);
+}
+template <int W>
+INKLING_INLINE vecf<W> sum_lanes(vecf<W>* v) {  // W (16 or 8) vectors, overwritten
+  if constexpr (W == 16) fold_level<8, 16>(v);
+  fold_level<4, 8>(v);
+  fold_level<2, 4>(v);
+  fold_level<1, 2>(v);
+  return v[0];
+}
+// The lane of sum_lanes' result that holds vector i's sum.
+template <int W>
+constexpr int lane_of_sum(int i) {
+  return 4 * (i % (W / 4)) + i / (W / 4);
+}
+
 // How far ahead (floats) the kernels ask for weights: memory latency here is long enough that the
 // hardware prefetcher alone leaves a single thread well short of the bandwidth.
 constexpr int64_t kPrefetch = 256;
@@ -787,9 +839,25 @@ INKLING_INLINE void dot_block(const float* x, int64_t H, const T* w, int64_t w_c
       for (int r = 0; r < R; ++r) acc[r][c] += xv[r] * wv;
     }
   }
+  // With a panel of four outputs and two or more rows, the R x C sums are reduced W at a time by
+  // sum_lanes (zeros pad the last group); they come out as sumv would give them.
+  constexpr bool kTogether = C == 4 && R >= 2;
+  constexpr int kSums = kTogether ? (R * C + W - 1) / W * W : 1;
+  float sums[kSums];
+  if constexpr (kTogether) {
+#pragma GCC unroll 4
+    for (int g = 0; g < kSums; g += W) {
+      vecf<W> group[W];
+#pragma GCC unroll 16
+      for (int i = 0; i < W; ++i) group[i] = g + i < R * C ? acc[(g + i) / C][(g + i) % C] : vecf<W>{};
+      const vecf<W> total = sum_lanes<W>(group);
+#pragma GCC unroll 16
+      for (int i = 0; i < W; ++i) sums[g + i] = total[lane_of_sum<W>(i)];
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
-      float total = sumv(acc[r][c]);
+      float total = kTogether ? sums[r * C + c] : sumv(acc[r][c]);
       // Fused one term at a time, the same for either weight type: GCC vectorises a plain `+=` here
       // (unfused) for float weights and not for int8 ones.
       for (int64_t t = h; t < H; ++t) total = __builtin_fmaf(x[r * H + t], static_cast<float>(w[c * w_c + t]), total);
