@@ -19,6 +19,7 @@ from inkling_compiled.cli import main as cli_main
 from inkling_compiled.errors import CheckpointError, OptionError
 
 from conftest import random_prompt
+from forced_build import run_in_build
 
 # The tensors int8 stores (transformers names): projections, expert banks, lm_head.
 MATMUL_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "r_proj.weight", "o_proj.weight",
@@ -128,10 +129,6 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(h):
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it_in_every_build(isa):
     """The same, in the builds this CPU does not pick itself (forced, in a subprocess): each reduces a
     block of rows' sums its own width at a time, and a row alone takes another path."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import torch\n"
         "from inkling_compiled.custom_ops.library import cpu_isa\n"
@@ -147,11 +144,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it_in_every_build(isa)
         "        differ += [(op, o, h, rows) for rows in range(1, 9)\n"
         "                   if not torch.equal(getattr(torch.ops.inkling, op)(x[:rows], *args), batch[:rows])]\n"
         "print(cpu_isa(), len(differ), differ[:3])")
-    env = {**os.environ, "INKLING_CPU_ISA": isa, "INKLING_FEW_ROWS": "64"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
-    chosen, count, first = done.stdout.split(maxsplit=2)
-    assert chosen in (isa, "portable")
-    assert count == "0", first
+    (differ,) = run_in_build(isa, script)
+    assert differ.startswith("0 "), differ
 
 
 def test_moe_experts_int8_matches_a_plain_loop():

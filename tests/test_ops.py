@@ -14,6 +14,7 @@ from inkling_compiled.custom_ops.moe import moe_experts_reference
 from inkling_compiled.custom_ops.sconv import sconv_decode_reference, sconv_extend_reference
 
 from cached_chunks import cached_chunk_case
+from forced_build import run_in_build
 
 # Each kernel test runs on the dispatched op (the C++ kernel on CPU when it built) and on the
 # plain-torch reference kernel.
@@ -95,10 +96,6 @@ def test_every_instruction_set_build_of_the_matmul_matches_f_linear(isa):
     """The loader picks the widest build this CPU runs; the others are forced here (and the row limit
     raised so every row count takes the kernel), each against F.linear; the int8 kernels (their own row
     limit) against the dequantized weights."""
-    import os
-    import subprocess
-    import sys
-
     script = (
         "import torch, torch.nn.functional as F\n"
         "from inkling_compiled.custom_ops.library import cpu_isa\n"
@@ -139,10 +136,7 @@ def test_every_instruction_set_build_of_the_matmul_matches_f_linear(isa):
         "want = moe_experts_reference(x, ids, wts, gu.float() * gs[..., None], dn.float() * ds[..., None])\n"
         "worst = max(worst, (got - want).abs().max().item())\n"
         "print(cpu_isa(), worst)")
-    env = {**os.environ, "INKLING_CPU_ISA": isa, "INKLING_FEW_ROWS": "64"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
-    chosen, worst = done.stdout.split()
-    assert chosen in (isa, "portable")  # a CPU without AVX2 falls back to the portable build
+    (worst,) = run_in_build(isa, script)
     assert float(worst) < 1e-4
 
 
