@@ -106,7 +106,12 @@ def compile_and_save(compiled, path: Path) -> None:
     a failure to save is logged, the compiled step still runs."""
     from torch._dynamo.aot_compile import ModelInput
 
-    compiled._aot_compile([ModelInput((), {}, [torch.inference_mode()])])
+    # torch.compile(dynamic=False) turns Dynamo's automatic dynamic shapes off, but the AOT entry point does
+    # not pass that on: a size that differed in an earlier compile of the step's code in this process
+    # (another model's) would become a symbol, one more input per call and slower code, in a package
+    # that then serves every later process. Only the sizes the caller marks are symbols.
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        compiled._aot_compile([ModelInput((), {}, [torch.inference_mode()])])
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

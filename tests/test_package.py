@@ -173,6 +173,42 @@ def test_if_the_aot_compile_fails_the_step_is_traced_with_every_guard(checkpoint
     assert_decodes_as_eager(compiled, checkpoint, max_batch_size=4)
 
 
+class _PoolReader(torch.nn.Module):
+    """A step in miniature: a pool whose first dimension is a symbol (as the engine's slots are), read
+    through a per-step index."""
+
+    def __init__(self, width: int, marked: bool = True):
+        super().__init__()
+        self.pool = torch.zeros(5, 3, width)
+        if marked:  # only to be traced: a loaded package rebuilds its guards from unmarked tensors
+            torch._dynamo.decorators.mark_unbacked(self.pool, 0)
+        self.rows = torch.zeros(2, dtype=torch.long)
+
+    def forward(self):
+        return self.pool[self.rows].sum(1)
+
+
+def test_a_package_compiled_after_another_shape_keeps_its_other_sizes_static(tmp_path):
+    """Dynamo turns a size that changed between two compiles of the same code into a symbol, in the
+    graph and in every later compile in the process: a package compiled after another model's (the test
+    suite, a benchmark over configs) would then take its widths as inputs and run slower code than the
+    same package compiled alone. Only the sizes the caller marks may be symbols."""
+    with torch.inference_mode():  # as every step's tensors and calls are
+        for width in (8, 16):
+            package.compile_and_save(torch.compile(_PoolReader(width), fullgraph=True, dynamic=False),
+                                     tmp_path / f"{width}.bin")
+        for width, fits in ((16, True), (24, False)):  # the second package's width is fixed: another is refused
+            reader = _PoolReader(width, marked=False)
+            compiled = torch.compile(reader, fullgraph=True, dynamic=False)
+            assert package.load(compiled, tmp_path / "16.bin")
+            if fits:
+                torch.testing.assert_close(compiled(), reader())
+            else:
+                with pytest.raises(RuntimeError) as refused:
+                    compiled()
+                assert package.is_guard_failure(refused.value)
+
+
 def test_the_isa_probe_runs_once_per_machine(tmp_path, monkeypatch):
     """The first settle probes and records; a later one reads the record and never probes, and sets
     `vec_isa_ok` only where every ISA the CPU's flags list passed; a user's own setting is kept."""
