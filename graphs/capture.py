@@ -330,7 +330,7 @@ class CompiledStep:
         try:
             if self.packaged:  # runs outside Dynamo: no stance to set, nothing another thread's compile sees
                 with torch.inference_mode():
-                    return self.compiled()
+                    return self.compiled.forward()  # package.PackagedForward, past the module's call machinery
             with _DYNAMO_STATE, torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
                 return self.compiled()
         except RuntimeError as e:

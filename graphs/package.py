@@ -4,7 +4,8 @@ Inductor's cache already spares a new process the C++ build, but Dynamo still tr
 (about 2.5 s of an 8 s warm start on `small`). Here the first compile goes through torch's AOT entry
 point instead (`OptimizedModule._aot_compile`: Dynamo's graph, its guards and inductor's code, made
 serialisable), and the result is written to `<compile cache>/dynamo/<key>.bin`; a later process whose
-key is the same loads it and runs without tracing anything. The key is the caller's (model, weight
+key is the same loads it and runs without tracing anything (`PackagedForward`: the guards, checked once
+a call, then Dynamo's code that gathers the inputs and calls inductor's). The key is the caller's (model, weight
 layout, dtype, pool layout, pinned torch state, sources) plus what this layer knows (torch, Python, the
 C++ wrapper, inductor's instruction set, thread count and configuration), so a changed model, machine,
 torch or option finds no file. Nothing else goes in it: the graph is the same for every pool size and
@@ -88,7 +89,7 @@ def _deserialize(compiled, data: bytes) -> None:
     """`compiled._load_aot_compiled_module(data)`, with the traced method's module as the globals its code
     may name (torch's own loader passes none, and then fails on code that names `torch`)."""
     from torch._dynamo import convert_frame
-    from torch._dynamo.aot_compile import AOTCompiledFunction, AOTCompiledModel
+    from torch._dynamo.aot_compile import AOTCompiledFunction
     from torch._dynamo.utils import get_metrics_context
     from torch._guards import CompileContext, compile_context
 
@@ -98,7 +99,31 @@ def _deserialize(compiled, data: bytes) -> None:
     for blob in pickle.loads(data):
         with compile_context(CompileContext(convert_frame.get_compile_id({}))), get_metrics_context():
             functions.append(AOTCompiledFunction.deserialize(blob, f_globals))
-    compiled.forward = AOTCompiledModel(model, functions)
+    compiled.forward = PackagedForward(model, functions)
+
+
+class PackagedForward:
+    """What a packaged step's forward runs: the first compiled function whose guards pass, its guards
+    checked once. torch's own `AOTCompiledModel` checks them twice a call (once to choose the function,
+    once more inside it), and a step's guards run cold, after the kernels have swept the caches: some
+    45 us a check on `small`. A refusal raises what torch's does (`is_guard_failure`)."""
+
+    def __init__(self, model, functions: list):
+        self.model, self.functions = model, functions
+        # The frame's locals as the guards see them: the module alone, the same object at every call.
+        self._checks = [(f._artifacts.guard_manager, f.prepare_f_locals(model), f.fn) for f in functions]
+
+    def __call__(self):
+        for guards, f_locals, fn in self._checks:
+            if guards.check(f_locals):
+                return fn(self.model)
+        guards, f_locals, _ = self._checks[0]
+        raise RuntimeError(f"GuardManager check failed, reason: {guards.check_verbose(f_locals)}")
+
+    def serialize(self) -> bytes:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        return pickle.dumps([AOTCompiledFunction.serialize(f).serialized_data for f in self.functions])
 
 
 def compile_and_save(compiled, path: Path) -> None:
@@ -112,10 +137,11 @@ def compile_and_save(compiled, path: Path) -> None:
     # that then serves every later process. Only the sizes the caller marks are symbols.
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         compiled._aot_compile([ModelInput((), {}, [torch.inference_mode()])])
+    compiled.forward = PackagedForward(compiled._orig_mod, compiled.forward.compiled_results)
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        compiled._save_aot_compiled_module(str(partial))
+        partial.write_bytes(compiled.forward.serialize())
         os.replace(partial, path)  # whole or absent, for a process loading it at the same time
     except Exception as e:
         partial.unlink(missing_ok=True)
