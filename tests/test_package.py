@@ -157,6 +157,20 @@ def test_a_packaged_step_refuses_metadata_it_was_not_compiled_for(checkpoint):
         compiled.worker.decoder.run(2)
 
 
+def test_a_packaged_replay_checks_its_guards_once(checkpoint, monkeypatch):
+    """Guards run after the kernels have swept the caches, some 45 us a check on `small`: a replay pays for
+    one (torch's own AOTCompiledModel checked them twice a call)."""
+    compiled = engine(checkpoint, max_batch_size=4)
+    assert compiled.worker.decoder.packaged
+    compiled.worker.backend.prepare_padding(2)
+    checks = []
+    wrapper = torch._dynamo.guards.GuardManagerWrapper
+    real_check = wrapper.check
+    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    for _ in range(3):
+        compiled.worker.decoder.run(2)
+    assert len(checks) == 3
+
 def test_if_the_aot_compile_fails_the_step_is_traced_with_every_guard(checkpoint, monkeypatch, caplog):
     def refuse(compiled, path):
         raise RuntimeError("unsupported by the AOT path")
