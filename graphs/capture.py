@@ -326,11 +326,11 @@ class CompiledStep:
         self.package_path, self.packaged, self.loaded, self.guarded_sources = None, False, False, self._requested_sources
         self.compiled = self._compile()
 
-    def _replay(self, bucket: int) -> tuple[torch.Tensor, ...]:
+    def _replay(self, bucket: int, inputs: object | None = None) -> tuple[torch.Tensor, ...]:
         try:
             if self.packaged:  # runs outside Dynamo: no stance to set, nothing another thread's compile sees
                 with torch.inference_mode():
-                    return self.compiled.forward()  # package.PackagedForward, past the module's call machinery
+                    return self.compiled.forward(inputs)  # package.PackagedForward, past the module's call machinery
             with _DYNAMO_STATE, torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
                 return self.compiled()
         except RuntimeError as e:
@@ -338,9 +338,12 @@ class CompiledStep:
                 raise
             raise CompileError(f"{self.kind} step for bucket {bucket} would recompile after warm-up: {e}") from None
 
-    def run(self, bucket: int) -> tuple[torch.Tensor, ...]:
+    def run(self, bucket: int, inputs: object | None = None) -> tuple[torch.Tensor, ...]:
         """Replays the graph of `bucket`, for which the buffers were prepared; a bucket not compiled yet
-        is compiled first (lazy start-up). Outputs are tensors the caller owns."""
-        outputs = self._first_call(bucket) if bucket not in self.graph_of else self._replay(bucket)
+        is compiled first (lazy start-up). Outputs are tensors the caller owns. `inputs`, where the step
+        reads the very same tensors at every call that passes the same object (see
+        `package.PackagedForward`), lets a packaged step skip its guards and Dynamo's code from the
+        second such call on."""
+        outputs = self._first_call(bucket) if bucket not in self.graph_of else self._replay(bucket, inputs)
         # CUDA-graph outputs live in graph-owned memory that the next replay overwrites.
         return tuple(t.clone() for t in outputs) if self.cuda_graphs else outputs

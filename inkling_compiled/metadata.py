@@ -233,6 +233,7 @@ class StepBuffers:
         self._block_table = block_table_host.numpy()  # the pool's host mirror: shares its memory
         self._h = self.decode_region.host  # the host fields of the step being prepared
         self.last_step: tuple[str, int, int, int] | None = None  # (kind, rows, tokens, checkpoints) last published
+        self.published: dict[str, torch.Tensor] | None = None  # the fields of the step last published
 
     def _region(self, kind: str) -> FieldRegion:
         return {"decode": self.decode_region, "prefill": self.prefill_region, "verify": self.verify_region}[kind]
@@ -268,6 +269,8 @@ class StepBuffers:
                     mark_static(view)
                     if batch is not None and rows in batch and not isinstance(BUFFER_SPECS[name], PerCheckpoint):
                         _mark_batch(view, BUFFER_SPECS[name], batch, self.draft_tokens + 1 if kind == "verify" else 1)
+        # What the metadata points at: for a decode or verify step, the same dict at every step of its size
+        self.published = views
         md = self.metadata
         md.is_decode = kind == "decode"
         md.draft_tokens = self.draft_tokens if kind == "verify" else 0

@@ -236,7 +236,7 @@ class Runner:
             if compiled is None:
                 out = self._eager(plan.kind, scoring)
             else:
-                out = compiled.run(EXTEND_GRAPH if plan.kind is StepKind.EXTEND else plan.bucket)
+                out = self._run_compiled(compiled, plan)
         if plan.kind is StepKind.EXTEND:
             if not scoring:
                 return StepOutput(*out)
@@ -249,6 +249,14 @@ class Runner:
         out = VerifyOutput(*(t[:plan.rows] for t in out))
         self.commit(plan.slots, out.accepted)  # before the next verify overwrites the saved windows
         return out
+
+    def _run_compiled(self, compiled, plan: StepPlan) -> tuple[torch.Tensor, ...]:
+        """The compiled step of the plan's kind. A decode or verify bucket reads the same metadata slices at
+        every step (kept by the step buffers), so those slices stand for its inputs; an extend step's are
+        new at every step."""
+        if plan.kind is StepKind.EXTEND:
+            return compiled.run(EXTEND_GRAPH)
+        return compiled.run(plan.bucket, inputs=self.backend.buffers.published)
 
     def eager_extend(self, plan: StepPlan) -> bool:
         """Whether an extend plan runs eagerly: the compiled step does not hand back every token's hidden

@@ -171,6 +171,20 @@ def test_a_packaged_replay_checks_its_guards_once(checkpoint, monkeypatch):
         compiled.worker.decoder.run(2)
     assert len(checks) == 3
 
+def test_decode_replays_of_a_bucket_check_the_guards_once(checkpoint, monkeypatch):
+    """The runner hands a packaged step the metadata slices it keeps for a bucket: from a bucket's second
+    replay on, inductor's code is called on the arguments bound at the first, past the guards and
+    Dynamo's gathering of every weight, and the tokens stay those of the eager engine."""
+    compiled = engine(checkpoint, max_batch_size=4)
+    assert compiled.worker.decoder.packaged
+    checks = []
+    wrapper = torch._dynamo.guards.GuardManagerWrapper
+    real_check = wrapper.check
+    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    assert_decodes_as_eager(compiled, checkpoint, max_batch_size=4)  # 3 rows, then 2 and 1 as they finish
+    assert 1 <= len(checks) <= 3  # a check per bucket (4, 2, 1), not per step
+
+
 def test_if_the_aot_compile_fails_the_step_is_traced_with_every_guard(checkpoint, monkeypatch, caplog):
     def refuse(compiled, path):
         raise RuntimeError("unsupported by the AOT path")
@@ -221,6 +235,93 @@ def test_a_package_compiled_after_another_shape_keeps_its_other_sizes_static(tmp
                 with pytest.raises(RuntimeError) as refused:
                     compiled()
                 assert package.is_guard_failure(refused.value)
+
+
+def _bound_calls(module: torch.nn.Module, path) -> package.PackagedForward:
+    """`module` compiled as a package and loaded back: its forward as the engine's steps run it."""
+    package.compile_and_save(torch.compile(module, fullgraph=True, dynamic=False), path)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    assert package.load(compiled, path)
+    return compiled.forward
+
+
+class _PoolRowsReader(_PoolReader):
+    def forward(self):
+        return (super().forward(),)  # a tuple, as a step's outputs are
+
+
+def test_a_bound_call_reads_the_bound_tensors_as_they_are_now(tmp_path, monkeypatch):
+    """Bound arguments are the tensors themselves: what is written into them in place is read; new tensors
+    come with a new inputs object, which runs the guards and binds again."""
+    checks = []
+    wrapper = torch._dynamo.guards.GuardManagerWrapper
+    real_check = wrapper.check
+    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    with torch.inference_mode():
+        reader = _PoolRowsReader(4, marked=False)
+        forward = _bound_calls(reader, tmp_path / "reader.bin")
+        checks.clear()  # (compiling the package checks them too)
+        reader.pool.copy_(torch.randn(5, 3, 4))
+        first = object()
+        for rows in ([1, 2], [4, 0], [3, 3]):
+            reader.rows.copy_(torch.tensor(rows))
+            torch.testing.assert_close(forward(first)[0], reader.pool[reader.rows].sum(1))
+        assert len(checks) == 1
+        reader.rows = torch.tensor([2, 1])
+        second = object()
+        torch.testing.assert_close(forward(second)[0], reader.pool[[2, 1]].sum(1))
+        assert len(checks) == 2
+
+
+class _SetsAnAttribute(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.x = torch.ones(3)
+        self.last = torch.zeros(3)
+
+    def forward(self):
+        self.last = self.x * 3  # Dynamo sets it from one of the graph's outputs, after the graph
+        return (self.x * 2,)
+
+
+def test_a_frame_that_sets_an_attribute_after_its_graph_is_not_bound(tmp_path):
+    """A bound call would skip what Dynamo's code does after the graph: the attribute must follow every call."""
+    with torch.inference_mode():
+        module = _SetsAnAttribute()
+        forward = _bound_calls(module, tmp_path / "sets.bin")
+        inputs = object()
+        for value in (1.0, 2.0, 5.0):
+            module.x.fill_(value)
+            torch.testing.assert_close(forward(inputs)[0], torch.full((3,), 2 * value))
+            torch.testing.assert_close(module.last, torch.full((3,), 3 * value))
+
+
+class _SameOutputTwice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.x = torch.ones(3)
+
+    def forward(self):
+        y = self.x * 2
+        return y, y
+
+
+def test_a_frame_that_rearranges_the_graphs_outputs_is_not_bound(tmp_path, monkeypatch):
+    """Dynamo's code hands back the graph's one output twice: a bound call that cut the graph's outputs
+    would drop one, so every call takes the guarded path."""
+    checks = []
+    wrapper = torch._dynamo.guards.GuardManagerWrapper
+    real_check = wrapper.check
+    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    with torch.inference_mode():
+        forward = _bound_calls(_SameOutputTwice(), tmp_path / "twice.bin")
+        checks.clear()
+        inputs = object()
+        for _ in range(3):
+            out = forward(inputs)
+            assert len(out) == 2 and out[0] is out[1]
+            torch.testing.assert_close(out[0], torch.full((3,), 2.0))
+    assert len(checks) == 3
 
 
 def test_the_isa_probe_runs_once_per_machine(tmp_path, monkeypatch):
