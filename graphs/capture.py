@@ -126,6 +126,21 @@ class Buckets:
         return [batch[i:i + size] for i in range(0, len(batch), size)]
 
 
+class InputsKeys:
+    """The objects that stand for a step's inputs at `CompiledStep.run`, for a step whose inputs are held by
+    several objects (each depth's metadata slices, an input view): per bucket, the same key while every
+    holder is the same object as at the key's making, a new one once any is another."""
+
+    def __init__(self):
+        self._keys: dict[int, tuple[tuple, object]] = {}
+
+    def __call__(self, bucket: int, *holders: object) -> object:
+        kept = self._keys.get(bucket)
+        if kept is None or len(kept[0]) != len(holders) or any(a is not b for a, b in zip(kept[0], holders)):
+            kept = self._keys[bucket] = (holders, object())
+        return kept[1]
+
+
 class CompiledStep:
     """A step (decode or verify) compiled for a set of batch buckets; `run(bucket)` replays one.
 

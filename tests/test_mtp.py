@@ -173,9 +173,11 @@ def test_an_mtp_engine_compiles_no_extend_graph_it_would_never_run(checkpoint):
     assert ngram.worker.extender is not None
 
 
-def test_the_draft_step_is_saved_whole_and_a_later_engine_loads_it(checkpoint, tmp_path, fresh_dynamo):
+def test_the_draft_step_is_saved_whole_and_a_later_engine_loads_it(checkpoint, tmp_path, fresh_dynamo, monkeypatch):
     """With a package key (the engine passes its decode step's), the draft step is saved whole: a later
-    drafter loads it and traces nothing, and its drafts, step after step, are the eager draft step's."""
+    drafter loads it and traces nothing, and its drafts, step after step, are the eager draft step's. A
+    bucket's draft steps run its guards once (then inductor's code on the bound inputs, see
+    `package.PackagedForward`)."""
     K = 2
     options = dict(device="cpu", buckets=(1, 2), compile_backend="inductor",
                    package_key=("a draft step saved whole", str(tmp_path)))
@@ -197,6 +199,10 @@ def test_the_draft_step_is_saved_whole_and_a_later_engine_loads_it(checkpoint, t
     for engine in (later, eager):
         for p in prompts:
             engine.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    checks = []
+    wrapper = torch._dynamo.guards.GuardManagerWrapper
+    real_check = wrapper.check
+    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
     compared = 0
     for _ in range(8):
         later.step(), eager.step()
@@ -205,6 +211,7 @@ def test_the_draft_step_is_saved_whole_and_a_later_engine_loads_it(checkpoint, t
         assert got == want
         compared += sum(d is not None for d in got)
     assert compared >= 8 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    assert len(checks) <= len(options["buckets"])
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])

@@ -13,7 +13,7 @@ import torch
 from inkling_compiled.engine import Engine
 from inkling_compiled.errors import CompileError
 from inkling_compiled.graphs import package
-from inkling_compiled.graphs.capture import INSTANCE_SOURCE
+from inkling_compiled.graphs.capture import INSTANCE_SOURCE, InputsKeys
 from inkling_compiled.sampling import SamplingParams
 
 from conftest import Threes, random_prompt
@@ -271,6 +271,17 @@ def test_a_bound_call_reads_the_bound_tensors_as_they_are_now(tmp_path, monkeypa
         second = object()
         torch.testing.assert_close(forward(second)[0], reader.pool[[2, 1]].sum(1))
         assert len(checks) == 2
+
+
+def test_inputs_keys_change_when_any_holder_changes():
+    """A step whose inputs several objects hold (the MTP draft step: each depth's metadata slices and an
+    input view) keeps one key per bucket while they are the same objects."""
+    keys = InputsKeys()
+    a, b, c = {}, {}, {}
+    first = keys(1, a, b)
+    assert keys(1, a, b) is first and keys(2, a, b) is not first
+    assert keys(1, a, c) is not first  # one holder replaced: the bound call must not serve it
+    assert keys(1, a, b) is not first  # and a key is never handed out again once replaced
 
 
 class _SetsAnAttribute(torch.nn.Module):

@@ -27,7 +27,7 @@ import torch
 from ..backend import StepBackend
 from ..cache.pool import each_layer
 from ..errors import OptionError
-from ..graphs import Buckets, CompiledStep
+from ..graphs import Buckets, CompiledStep, InputsKeys
 from ..metadata import GREEDY_PAD
 from ..model import MtpHead
 from ..static import mark_static
@@ -71,6 +71,9 @@ class MtpDrafter(Drafter):
         self.tracks: dict[object, _Track] = {}
         self.compiled: CompiledStep | None = None
         self.buckets = Buckets(None)  # eager until `compile` (any batch size, unpadded)
+        # What stands for a bucket's inputs to the compiled draft step: every depth's kept metadata slices
+        # and the kept input view are the same tensors at each of its draft steps.
+        self.inputs_key = InputsKeys()
         self.pinned: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def attach(self, pool, max_model_len: int) -> None:
@@ -212,7 +215,8 @@ class MtpDrafter(Drafter):
         self.step.prev = prev
         with self.pinned():
             if self.compiled is not None:
-                drafts, *carried = self.compiled.run(bucket)
+                key = self.inputs_key(bucket, prev, *(backend.buffers.published for backend in self.backends))
+                drafts, *carried = self.compiled.run(bucket, inputs=key)
             else:
                 drafts, *carried = draft_step(self.model, self.backends, prev, self.carries)
         slot_ids = torch.tensor(slots, dtype=torch.long, device=prev.device)
