@@ -204,6 +204,37 @@ class CopyCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_decode_step_fills_every_field_as_a_plain_loop_would(staged):
+    """Decode prep packs Python lists into the buffer a field at a time: each field against values computed
+    here row by row from the block table, padding rows included, after a prefill used the other region."""
+    from inkling_compiled.metadata import RowSampling, StepBuffers
+
+    config, pool = tiny_pool()
+    g = torch.Generator().manual_seed(3)
+    pool.block_table_host.copy_(torch.randint(1, 9, pool.block_table_host.shape, generator=g))
+    buffers = StepBuffers(config, pool.block_table_host, page_size=4, max_batch_size=4, max_tokens=64, staged=staged)
+    buffers.prepare_prefill([[5] * 12, [6] * 10], [1, 2], [GREEDY_PAD] * 2)
+    # a full step first, so that a padding row left unwritten would keep its values
+    buffers.prepare_decode([1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 14], [RowSampling(0.5, 2, 0.5, 9, 9)] * 4)
+    ids, slots, lens = [17, 3, 250], [3, 1, 2], [13, 0, 9]
+    sampling = [RowSampling(0.7, 5, 0.9, 2**40 + 1, 12), RowSampling(0.0, 0, 1.0, 0, 0), RowSampling(1.3, 1, 0.25, 7, 3)]
+    md = buffers.prepare_decode(ids, slots, lens, sampling, pad_to=4)
+    ring = buffers.ring_size
+    slot, pos = slots + [0], lens + [0]
+    want = {
+        "input_ids": ids + [0], "cache_indices": slot, "positions": pos, "seq_lens": [p + 1 for p in pos],
+        "query_start_loc": [0, 1, 2, 3, 4], "last_token_index": [0, 1, 2, 3],
+        "has_initial_state": [s > 0 for s in slot],
+        "global_kv_loc": [int(pool.block_table_host[s, p // 4]) * 4 + p % 4 for s, p in zip(slot, pos)],
+        "sliding_kv_loc": [s * ring + p % ring for s, p in zip(slot, pos)],
+        "top_k": [5, 0, 1, 0], "seed": [2**40 + 1, 0, 7, 0], "sample_counter": [12, 0, 3, 0]}
+    for name, values in want.items():
+        assert getattr(md, name).tolist() == values, name
+    for name, values in (("temperature", [0.7, 0.0, 1.3, 0.0]), ("top_p", [0.9, 1.0, 0.25, 1.0])):
+        assert torch.equal(getattr(md, name), torch.tensor(values, dtype=torch.float32)), name
+
+
 def test_a_staged_step_moves_its_metadata_in_one_copy():
     """Off the CPU the fields are written on the host and moved by one copy per step, of only the bytes
     the step uses (staged=True gives CPU buffers the host copy a GPU's have)."""
