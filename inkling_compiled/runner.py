@@ -36,11 +36,16 @@ class StepOutput(msgspec.Struct):
         """(tokens, chosen logprobs, top ids, top logprobs) as Python lists, the tops cut to `top_n`. Off
         the CPU (`one_copy`, by default) in one device-to-host copy: everything packed as float64, which
         holds every token id (< 2**53) and every fp32 logprob exactly."""
+        if not (self.tokens.device.type != "cpu" if one_copy is None else one_copy):
+            # read in place; the tops only when asked for (a decode step's host work runs cold: each op counts)
+            rows = len(self.tokens)
+            top_ids = self.top_ids[:, :top_n].tolist() if top_n else [[] for _ in range(rows)]
+            top_vals = self.top_logprobs[:, :top_n].tolist() if top_n else [[] for _ in range(rows)]
+            return self.tokens.tolist(), self.chosen_logprobs.tolist(), top_ids, top_vals
         parts = [self.tokens[:, None], self.chosen_logprobs[:, None], self.top_ids[:, :top_n],
                  self.top_logprobs[:, :top_n]]
-        if self.tokens.device.type != "cpu" if one_copy is None else one_copy:
-            host = torch.cat([p.double() for p in parts], dim=1).cpu()
-            parts = [host[:, :1].long(), host[:, 1:2].float(), host[:, 2:2 + top_n].long(), host[:, 2 + top_n:].float()]
+        host = torch.cat([p.double() for p in parts], dim=1).cpu()
+        parts = [host[:, :1].long(), host[:, 1:2].float(), host[:, 2:2 + top_n].long(), host[:, 2 + top_n:].float()]
         tokens, chosen, top_ids, top_vals = (p.tolist() for p in parts)
         return [t for (t,) in tokens], [c for (c,) in chosen], top_ids, top_vals
 

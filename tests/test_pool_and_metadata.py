@@ -268,6 +268,7 @@ def test_step_outputs_come_back_in_one_copy_and_exactly():
     want = out.to_host(4)  # CPU: read directly
     assert want[0] == [5, 2**40 + 3, 262_143] and len(want[2][0]) == 4
     assert out.to_host(4, one_copy=True) == want
+    assert out.to_host(0) == out.to_host(0, one_copy=True) == (want[0], want[1], [[], [], []], [[], [], []])
     packed = StepOutput(*(t.to("meta") for t in (out.tokens, out.chosen_logprobs, out.top_ids, out.top_logprobs)))
     with CopyCounter() as counter:
         try:
