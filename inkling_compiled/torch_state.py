@@ -29,12 +29,16 @@ SETTINGS: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
     "deterministic": (
         lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
         lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1])),
-    "allow_tf32": (lambda: _matmul.allow_tf32, _setter(_matmul, "allow_tf32")),
-    "allow_fp16_reduce": (lambda: _matmul.allow_fp16_reduced_precision_reduction,
+    # Read through torch's C getters: the `torch.backends.cuda.matmul` attributes go through a Python
+    # `__getattr__` that cost 10-14 us each at a step's start, run cold. The reduced-precision getters may
+    # give (allowed, split-k) together, which the attribute's setter takes back whole.
+    "allow_tf32": (torch._C._get_cublas_allow_tf32, _setter(_matmul, "allow_tf32")),
+    "allow_fp16_reduce": (torch._C._get_cublas_allow_fp16_reduced_precision_reduction,
                           _setter(_matmul, "allow_fp16_reduced_precision_reduction")),
-    "allow_bf16_reduce": (lambda: _matmul.allow_bf16_reduced_precision_reduction,
+    "allow_bf16_reduce": (torch._C._get_cublas_allow_bf16_reduced_precision_reduction,
                           _setter(_matmul, "allow_bf16_reduced_precision_reduction")),
 }
+_NOTHING_TO_PIN = contextlib.nullcontext()
 
 
 class PinnedTorchState:
@@ -42,16 +46,22 @@ class PinnedTorchState:
         self.values = {name: get() for name, (get, _) in SETTINGS.items()}
         self.autocast = {d: torch.is_autocast_enabled(d) for d in _AUTOCAST_DEVICES}
 
+    def pinned(self) -> contextlib.AbstractContextManager:
+        """Runs the body under the recorded state; when nothing differs (the usual case), a few getter calls
+        and a context that does nothing."""
+        differ = [(put, self.values[name], current) for name, (get, put) in SETTINGS.items()
+                  if (current := get()) != self.values[name]]
+        autocast = [(device, enabled) for device, enabled in self.autocast.items()
+                    if torch.is_autocast_enabled(device) != enabled]
+        return self._pinning(differ, autocast) if differ or autocast else _NOTHING_TO_PIN
+
+    @staticmethod
     @contextlib.contextmanager
-    def pinned(self):
-        """Runs the body under the recorded state; costs a few getter calls when nothing differs."""
+    def _pinning(differ: list, autocast: list):
         with contextlib.ExitStack() as stack:
-            for name, (get, put) in SETTINGS.items():
-                current = get()
-                if current != self.values[name]:
-                    put(self.values[name])
-                    stack.callback(put, current)
-            for device, enabled in self.autocast.items():
-                if torch.is_autocast_enabled(device) != enabled:
-                    stack.enter_context(torch.autocast(device, enabled=enabled))
+            for put, value, current in differ:
+                put(value)
+                stack.callback(put, current)
+            for device, enabled in autocast:
+                stack.enter_context(torch.autocast(device, enabled=enabled))
             yield
