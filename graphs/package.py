@@ -115,7 +115,10 @@ class PackagedForward:
     with it runs the guards and Dynamo's code as usual and keeps the arguments that code handed
     inductor's (`BoundCall`); a later call with the same object calls inductor's code on them directly,
     past the guards and the gathering of a few hundred tensors from the module (about 170 us a step on
-    `small`, run cold). A different object, or none, takes the guarded path."""
+    `small`, run cold). A different object, or none, takes the guarded path. The object is a promise:
+    while it is the same, so is everything the guards check (the engine's keys are the slices a kind of
+    step keeps per batch size, and what its guards watch, the metadata's kind and draft count, is fixed
+    per kind). A frame found unfit to bind is run the usual way from then on, without a second look."""
 
     BOUND_LIMIT = 64  # bound calls kept (one per batch bucket and step kind is the use)
 
@@ -124,6 +127,7 @@ class PackagedForward:
         # The frame's locals as the guards see them: the module alone, the same object at every call.
         self._checks = [(f._artifacts.guard_manager, f.prepare_f_locals(model), f.fn) for f in functions]
         self._bound: dict[int, BoundCall] = {}
+        self._unbindable: set = set()  # frames (`fn`) that do more than call their graph and return
 
     def __call__(self, inputs: object | None = None):
         if inputs is not None:
@@ -132,7 +136,7 @@ class PackagedForward:
                 return bound()
         for guards, f_locals, fn in self._checks:
             if guards.check(f_locals):
-                return fn(self.model) if inputs is None else self._bind(inputs, fn)
+                return fn(self.model) if inputs is None or fn in self._unbindable else self._bind(inputs, fn)
         guards, f_locals, _ = self._checks[0]
         raise RuntimeError(f"GuardManager check failed, reason: {guards.check_verbose(f_locals)}")
 
@@ -141,6 +145,7 @@ class PackagedForward:
         the frame does nothing else with its result than hand back its leading outputs."""
         names = [n for n in fn.__code__.co_names if n.startswith("__compiled_fn")]
         if len(names) != 1 or not _only_returns_graph_outputs(fn.__code__):
+            self._unbindable.add(fn)
             return fn(self.model)  # more than one graph, or work after it (side effects): nothing to bind
         compiled_fn, calls = fn.__globals__[names[0]], []
 
@@ -158,6 +163,8 @@ class PackagedForward:
             if len(self._bound) >= self.BOUND_LIMIT:
                 self._bound.clear()
             self._bound[id(inputs)] = BoundCall(inputs, compiled_fn, calls[0][0], len(result))
+        else:
+            self._unbindable.add(fn)
         return result
 
     def serialize(self) -> bytes:
@@ -175,11 +182,13 @@ _RETURNING_OPS = frozenset({"STORE_FAST", "DELETE_FAST", "LOAD_FAST", "LOAD_CONS
 
 
 def _only_returns_graph_outputs(code: types.CodeType) -> bool:
-    """Whether the frame's code, from the graph's outputs on (`graph_out_*`), only picks and returns them."""
+    """Whether the frame's code, from the graph's outputs on (`graph_out_*`), only picks and returns them
+    (a subscript is `BINARY_SUBSCR` up to Python 3.13, a `BINARY_OP` of `[]` from 3.14)."""
     instructions = list(dis.get_instructions(code))
     start = next((i for i, ins in enumerate(instructions)
                   if ins.opname == "STORE_FAST" and str(ins.argval).startswith("graph_out")), None)
-    return start is not None and all(ins.opname in _RETURNING_OPS for ins in instructions[start:])
+    return start is not None and all(ins.opname in _RETURNING_OPS or (ins.opname == "BINARY_OP" and ins.argrepr == "[]")
+                                     for ins in instructions[start:])
 
 
 class BoundCall:

@@ -329,6 +329,10 @@ class StepBuffers:
         packed a field at a time (`FieldRegion.write`); query_start_loc and last_token_index are fixed."""
         n, rows = len(slots), pad_to or len(slots)
         self._check_bounds(rows, rows)
+        if not len(input_ids) == len(cached_lens) == len(sampling) == n <= rows:  # or a field spills into the next
+            raise ValueError(f"a decode step takes a token, a position and sampling per slot, padded to at least its "
+                             f"rows: {len(input_ids)} tokens, {n} slots, {len(cached_lens)} positions, "
+                             f"{len(sampling)} sampling rows, padded to {rows}")
         self._host("decode")
         region, pad = self.decode_region, [0] * (rows - n)
         slot, pos = slots + pad, cached_lens + pad

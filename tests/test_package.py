@@ -295,8 +295,12 @@ class _SetsAnAttribute(torch.nn.Module):
         return (self.x * 2,)
 
 
-def test_a_frame_that_sets_an_attribute_after_its_graph_is_not_bound(tmp_path):
-    """A bound call would skip what Dynamo's code does after the graph: the attribute must follow every call."""
+def test_a_frame_that_sets_an_attribute_after_its_graph_is_not_bound(tmp_path, monkeypatch):
+    """A bound call would skip what Dynamo's code does after the graph: the attribute must follow every call.
+    The frame is looked at once (reading its bytecode costs milliseconds for a step's)."""
+    looks = []
+    real_look = package._only_returns_graph_outputs
+    monkeypatch.setattr(package, "_only_returns_graph_outputs", lambda code: looks.append(1) or real_look(code))
     with torch.inference_mode():
         module = _SetsAnAttribute()
         forward = _bound_calls(module, tmp_path / "sets.bin")
@@ -305,6 +309,7 @@ def test_a_frame_that_sets_an_attribute_after_its_graph_is_not_bound(tmp_path):
             module.x.fill_(value)
             torch.testing.assert_close(forward(inputs)[0], torch.full((3,), 2 * value))
             torch.testing.assert_close(module.last, torch.full((3,), 3 * value))
+    assert len(looks) == 1
 
 
 class _SameOutputTwice(torch.nn.Module):

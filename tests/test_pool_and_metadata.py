@@ -235,6 +235,19 @@ def test_a_decode_step_fills_every_field_as_a_plain_loop_would(staged):
         assert torch.equal(getattr(md, name), torch.tensor(values, dtype=torch.float32)), name
 
 
+@pytest.mark.parametrize("ids, slots, lens, rows, pad_to", [
+    ([1, 2], [1], [3], 1, None), ([1], [1, 2], [3, 4], 2, None), ([1, 2], [1, 2], [3], 2, None),
+    ([1, 2], [1, 2], [3, 4], 1, None), ([1, 2, 3], [1, 2, 3], [3, 4, 5], 3, 2)])
+def test_a_decode_step_whose_lists_disagree_is_refused(ids, slots, lens, rows, pad_to):
+    """Packed a field at a time, a longer list would run into the next field: refused by name instead."""
+    from inkling_compiled.metadata import StepBuffers
+
+    config, pool = tiny_pool()
+    buffers = StepBuffers(config, pool.block_table_host, page_size=4, max_batch_size=4, max_tokens=64)
+    with pytest.raises(ValueError, match="a decode step takes a token, a position and sampling per slot"):
+        buffers.prepare_decode(ids, slots, lens, [GREEDY_PAD] * rows, pad_to=pad_to)
+
+
 def test_a_staged_step_moves_its_metadata_in_one_copy():
     """Off the CPU the fields are written on the host and moved by one copy per step, of only the bytes
     the step uses (staged=True gives CPU buffers the host copy a GPU's have)."""
