@@ -5,7 +5,8 @@ Inductor's cache already spares a new process the C++ build, but Dynamo still tr
 point instead (`OptimizedModule._aot_compile`: Dynamo's graph, its guards and inductor's code, made
 serialisable), and the result is written to `<compile cache>/dynamo/<key>.bin`; a later process whose
 key is the same loads it and runs without tracing anything (`PackagedForward`: the guards, checked once
-a call, then Dynamo's code that gathers the inputs and calls inductor's). The key is the caller's (model, weight
+a call, then Dynamo's code that gathers the inputs and calls inductor's; or, for inputs the caller says are
+the same as at an earlier call, inductor's code on the arguments bound then). The key is the caller's (model, weight
 layout, dtype, pool layout, pinned torch state, sources) plus what this layer knows (torch, Python, the
 C++ wrapper, inductor's instruction set, thread count and configuration), so a changed model, machine,
 torch or option finds no file. Nothing else goes in it: the graph is the same for every pool size and

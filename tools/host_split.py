@@ -5,6 +5,7 @@ entry itself (inductor's wrapper and every kernel). Also the median engine step,
 calls a step makes (a noise-free proxy of the host's work).
 
     OMP_NUM_THREADS=1 python tools/host_split.py [--config small] [--batch 1] [--steps 300] [--threads 1]
+        [--quantization int8]
 
 Timers wrap the layers' methods (a few microseconds of their own per step); the C++ entry is found in
 the cpp-wrapper module inductor generated for the step, so the split needs the default CPU path (inductor,
@@ -76,11 +77,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quantization", choices=["none", "int8"], default="none")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(Path(tmp) / args.config, args.config)
-        engine = Engine.from_pretrained(path, device="cpu", max_batch_size=32, progress=False, compile_extend=False)
+        engine = Engine.from_pretrained(path, device="cpu", max_batch_size=32, progress=False, compile_extend=False,
+                                        quantization=None if args.quantization == "none" else args.quantization)
     Engine.step = timed("step", Engine.step)
     runner_module.Runner.run = timed("runner", runner_module.Runner.run)
     runner_module.Runner.prepare = timed("prepare", runner_module.Runner.prepare)
@@ -100,7 +103,7 @@ def main() -> None:
         engine.step()
         each.append(time.perf_counter() - t0)
     us = {key: value / args.steps * 1e6 for key, value in spent.items()}
-    print(f"{args.config}, batch {args.batch}, {args.threads} thread(s), {args.steps} steps: median step "
+    print(f"{args.config}{'' if args.quantization == 'none' else ' ' + args.quantization}, batch {args.batch}, {args.threads} thread(s), {args.steps} steps: median step "
           f"{statistics.median(each) * 1e3:.3f} ms, mean {us['step'] / 1e3:.3f} ms, {calls:.0f} Python calls a step")
     print(f"  engine outside the runner {us['step'] - us['runner']:.0f} us | runner outside the replay "
           f"{us['runner'] - us['replay']:.0f} us (prep {us['prepare']:.0f}) | replay's Python outside the C++ entry "
