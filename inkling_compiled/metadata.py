@@ -137,6 +137,7 @@ def check_verify_shapes(md: StepMetadata) -> int:
 _ALIGN = 16  # bytes: every field starts aligned for its dtype (and for vector loads)
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 _STRUCT = {torch.int64: "q", torch.int32: "i", torch.float32: "f", torch.bool: "?"}  # native order, as numpy's
+_STRUCT_CODES = {name: _STRUCT[spec.dtype] for name, spec in BUFFER_SPECS.items()}  # each field's `struct` code
 
 
 def _entries(spec: PerRow | PerToken | PerCheckpoint, rows: int, tokens: int, checkpoints: int) -> int:
@@ -181,7 +182,6 @@ class FieldRegion:
             self.fields[name] = mark_static(field)
             self.host[name] = host_bytes[start:end].view(_NUMPY[dtype])
         self._bytes = host_bytes  # (an array, not a memoryview: the step's package pickles what it reaches)
-        self._codes = {name: _STRUCT[spec.dtype] for name, spec in BUFFER_SPECS.items()}
 
     def writable(self) -> dict[str, np.ndarray]:
         """The host fields, once the previous copy has finished reading them."""
@@ -193,7 +193,7 @@ class FieldRegion:
         """A field's leading entries from a list, packed straight into the host bytes. A decode step's
         prep runs cold, after the kernels have swept the caches, and there one `struct` call a field costs
         about half of numpy's assignments and arithmetic on a few entries."""
-        struct.pack_into(f"{len(values)}{self._codes[name]}", self._bytes, self.offsets[name], *values)
+        struct.pack_into(f"{len(values)}{_STRUCT_CODES[name]}", self._bytes, self.offsets[name], *values)
 
     def used(self, tokens: int) -> int:
         """Bytes a step with `tokens` tokens uses (up to the last field's used part)."""

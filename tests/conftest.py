@@ -121,3 +121,12 @@ def hf_greedy(hf_model):
 
 
 PARITY_LENGTHS = [1, 2, 3, 5, 8, 13, 21, 34, 55, 80]
+
+
+def count_guard_checks(monkeypatch) -> list:
+    """A list that gains an entry at every check of a compiled step's Dynamo guards from now on."""
+    checks = []
+    wrapper = torch._dynamo.guards.GuardManagerWrapper
+    real_check = wrapper.check
+    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    return checks

@@ -13,7 +13,7 @@ from inkling_compiled import load_model
 from inkling_compiled.engine import Engine
 from inkling_compiled.sampling import SamplingParams
 
-from conftest import random_prompt
+from conftest import count_guard_checks, random_prompt
 
 transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(max_new_tokens=12, logprobs=True, ignore_eos=True)
@@ -199,10 +199,7 @@ def test_the_draft_step_is_saved_whole_and_a_later_engine_loads_it(checkpoint, t
     for engine in (later, eager):
         for p in prompts:
             engine.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
-    checks = []
-    wrapper = torch._dynamo.guards.GuardManagerWrapper
-    real_check = wrapper.check
-    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    checks = count_guard_checks(monkeypatch)
     compared = 0
     for _ in range(8):
         later.step(), eager.step()

@@ -16,7 +16,7 @@ from inkling_compiled.graphs import package
 from inkling_compiled.graphs.capture import INSTANCE_SOURCE, InputsKeys
 from inkling_compiled.sampling import SamplingParams
 
-from conftest import Threes, random_prompt
+from conftest import Threes, count_guard_checks, random_prompt
 
 GREEDY = SamplingParams(max_new_tokens=8, logprobs=True, ignore_eos=True)
 PROMPTS = [random_prompt(n, seed=500 + n) for n in (3, 9, 17)]
@@ -163,13 +163,11 @@ def test_a_packaged_replay_checks_its_guards_once(checkpoint, monkeypatch):
     compiled = engine(checkpoint, max_batch_size=4)
     assert compiled.worker.decoder.packaged
     compiled.worker.backend.prepare_padding(2)
-    checks = []
-    wrapper = torch._dynamo.guards.GuardManagerWrapper
-    real_check = wrapper.check
-    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    checks = count_guard_checks(monkeypatch)
     for _ in range(3):
         compiled.worker.decoder.run(2)
     assert len(checks) == 3
+
 
 def test_decode_replays_of_a_bucket_check_the_guards_once(checkpoint, monkeypatch):
     """The runner hands a packaged step the metadata slices it keeps for a bucket: from a bucket's second
@@ -177,10 +175,7 @@ def test_decode_replays_of_a_bucket_check_the_guards_once(checkpoint, monkeypatc
     Dynamo's gathering of every weight, and the tokens stay those of the eager engine."""
     compiled = engine(checkpoint, max_batch_size=4)
     assert compiled.worker.decoder.packaged
-    checks = []
-    wrapper = torch._dynamo.guards.GuardManagerWrapper
-    real_check = wrapper.check
-    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    checks = count_guard_checks(monkeypatch)
     assert_decodes_as_eager(compiled, checkpoint, max_batch_size=4)  # 3 rows, then 2 and 1 as they finish
     assert 1 <= len(checks) <= 3  # a check per bucket (4, 2, 1), not per step
 
@@ -253,10 +248,7 @@ class _PoolRowsReader(_PoolReader):
 def test_a_bound_call_reads_the_bound_tensors_as_they_are_now(tmp_path, monkeypatch):
     """Bound arguments are the tensors themselves: what is written into them in place is read; new tensors
     come with a new inputs object, which runs the guards and binds again."""
-    checks = []
-    wrapper = torch._dynamo.guards.GuardManagerWrapper
-    real_check = wrapper.check
-    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    checks = count_guard_checks(monkeypatch)
     with torch.inference_mode():
         reader = _PoolRowsReader(4, marked=False)
         forward = _bound_calls(reader, tmp_path / "reader.bin")
@@ -325,10 +317,7 @@ class _SameOutputTwice(torch.nn.Module):
 def test_a_frame_that_rearranges_the_graphs_outputs_is_not_bound(tmp_path, monkeypatch):
     """Dynamo's code hands back the graph's one output twice: a bound call that cut the graph's outputs
     would drop one, so every call takes the guarded path."""
-    checks = []
-    wrapper = torch._dynamo.guards.GuardManagerWrapper
-    real_check = wrapper.check
-    monkeypatch.setattr(wrapper, "check", lambda self, f_locals: checks.append(1) or real_check(self, f_locals))
+    checks = count_guard_checks(monkeypatch)
     with torch.inference_mode():
         forward = _bound_calls(_SameOutputTwice(), tmp_path / "twice.bin")
         checks.clear()

@@ -16,7 +16,6 @@ after another, on a machine whose speed drifts.
 import argparse
 import collections
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from inkling_compiled.engine import Engine
 from inkling_compiled.graphs import capture
 from inkling_compiled.sampling import SamplingParams
 from inkling_compiled.tiny import build_tiny_checkpoint
+from step_latency import python_calls  # (tools/ is this script's folder, first on sys.path)
 
 spent: collections.Counter = collections.Counter()
 
@@ -54,21 +54,6 @@ def time_cpp_entries() -> int:
             cell.cell_contents = timed("entry", cell.cell_contents)
             wrapped += 1
     return wrapped
-
-
-def python_calls(engine: Engine, steps: int) -> float:
-    calls = 0
-
-    def count(frame, event, arg):
-        nonlocal calls
-        if event in ("call", "c_call"):
-            calls += 1
-
-    for _ in range(steps):
-        sys.setprofile(count)
-        engine.step()
-        sys.setprofile(None)
-    return calls / steps
 
 
 def main() -> None:

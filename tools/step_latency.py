@@ -19,14 +19,10 @@ from inkling_compiled.sampling import SamplingParams
 from inkling_compiled.tiny import build_tiny_checkpoint
 
 
-def calls_per_step(engine, batch: int, steps: int = 20) -> float:
-    """Python (and C) function calls an engine step makes in decode, counted with sys.setprofile."""
+def python_calls(engine, steps: int) -> float:
+    """Python (and C) function calls each of the engine's next `steps` steps makes, counted with sys.setprofile."""
     import sys
 
-    for i in range(batch):
-        engine.add_request(list(range(3 + i, 67 + i)), SamplingParams(max_new_tokens=64, ignore_eos=True))
-    engine.step()  # the prefill
-    engine.step()
     calls = 0
 
     def count(frame, event, arg):
@@ -38,9 +34,19 @@ def calls_per_step(engine, batch: int, steps: int = 20) -> float:
         sys.setprofile(count)
         engine.step()
         sys.setprofile(None)
+    return calls / steps
+
+
+def calls_per_step(engine, batch: int, steps: int = 20) -> float:
+    """Python (and C) function calls an engine step makes in decode (`python_calls`)."""
+    for i in range(batch):
+        engine.add_request(list(range(3 + i, 67 + i)), SamplingParams(max_new_tokens=64, ignore_eos=True))
+    engine.step()  # the prefill
+    engine.step()
+    calls = python_calls(engine, steps)
     while engine.has_unfinished():
         engine.step()
-    return calls / steps
+    return calls
 
 
 def main() -> None:
