@@ -30,6 +30,7 @@ import logging
 import os
 import pickle
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -114,9 +115,10 @@ class PackagedForward:
     A caller whose step reads the same tensors at every call of a kind (a decode bucket's kept metadata
     slices, the fixed weights and pool) passes an object that stands for them, `inputs`. The first call
     with it runs the guards and Dynamo's code as usual and keeps the arguments that code handed
-    inductor's (`BoundCall`); a later call with the same object calls inductor's code on them directly,
-    past the guards and the gathering of a few hundred tensors from the module (about 170 us a step on
-    `small`, run cold). A different object, or none, takes the guarded path. The object is a promise:
+    inductor's; a later call with the same object calls inductor's code on them directly, past the
+    guards and the gathering of a few hundred tensors from the module (about 170 us a step on `small`,
+    run cold) and, where the recorded call shows it may, past AOTAutograd's wrapper too (`GraphCall`;
+    `FrameCall` calls the wrapper). A different object, or none, takes the guarded path. The object is a promise:
     while it is the same, so is everything the guards check (the engine's keys are the slices a kind of
     step keeps per batch size, and what its guards watch, the metadata's kind and draft count, is fixed
     per kind). A frame found unfit to bind is run the usual way from then on, without a second look."""
@@ -127,7 +129,7 @@ class PackagedForward:
         self.model, self.functions = model, functions
         # The frame's locals as the guards see them: the module alone, the same object at every call.
         self._checks = [(f._artifacts.guard_manager, f.prepare_f_locals(model), f.fn) for f in functions]
-        self._bound: dict[int, BoundCall] = {}
+        self._bound: dict[int, FrameCall | GraphCall] = {}
         self._unbindable: set = set()  # frames (`fn`) that do more than call their graph and return
 
     def __call__(self, inputs: object | None = None):
@@ -151,8 +153,10 @@ class PackagedForward:
         compiled_fn, calls = fn.__globals__[names[0]], []
 
         def record(*args):
-            outputs = compiled_fn(*args)
-            calls.append((args, outputs))
+            versions, grad = _versions(args), torch.is_grad_enabled()
+            with _GraphCallRecorder() as graph_calls:
+                outputs = compiled_fn(*args)
+            calls.append((args, outputs, graph_calls, versions, torch.is_grad_enabled() != grad))
             return outputs
 
         recording = types.FunctionType(fn.__code__, {**fn.__globals__, names[0]: record}, fn.__name__,
@@ -161,9 +165,11 @@ class PackagedForward:
         # the frame's result must be the graph's outputs, or their leading part, in order
         if len(calls) == 1 and isinstance(result, tuple) and len(result) <= len(calls[0][1]) \
                 and all(r is o for r, o in zip(result, calls[0][1])):
+            args, outputs, graph_calls, versions, grad_changed = calls[0]
             if len(self._bound) >= self.BOUND_LIMIT:
                 self._bound.clear()
-            self._bound[id(inputs)] = BoundCall(inputs, compiled_fn, calls[0][0], len(result))
+            graph_call = None if grad_changed else GraphCall.bind(inputs, graph_calls, args, outputs, len(result), versions)
+            self._bound[id(inputs)] = graph_call or FrameCall(inputs, compiled_fn, args, len(result))
         else:
             self._unbindable.add(fn)
         return result
@@ -192,9 +198,10 @@ def _only_returns_graph_outputs(code: types.CodeType) -> bool:
                                      for ins in instructions[start:])
 
 
-class BoundCall:
-    """Inductor's code with the arguments Dynamo's code gathered for it once (tensors and sizes), and how
-    many of its outputs the frame hands back. `inputs` is kept, so that its id names no other object."""
+class FrameCall:
+    """Dynamo's call into AOTAutograd's wrapper, with the arguments Dynamo's code gathered for it once
+    (tensors and sizes), and how many of its outputs the frame hands back. `inputs` is kept, so that its
+    id names no other object."""
 
     __slots__ = ("inputs", "compiled_fn", "args", "outputs")
 
@@ -203,6 +210,113 @@ class BoundCall:
 
     def __call__(self) -> tuple:
         return tuple(self.compiled_fn(*self.args)[:self.outputs])
+
+
+class GraphCall:
+    """Inductor's compiled graph called directly, below AOTAutograd's runtime wrapper and, where the graph
+    is C++-wrapper code, below its Python entry too: about 70 us less Python a step on `small`, half the
+    Python calls (the wrapper's prologue, grad-mode and profiler switches, inductor's autotune-cache
+    bookkeeping, and the entry's type check of every argument and its new tensor for every size).
+
+    Only where the recorded call proves the wrapper adds nothing a replay needs (`bind`): one graph call,
+    whose outputs the wrapper handed back as they were, every one (no input-mutation copies, no alias
+    regenerated from its base, no effect tokens), and no change of grad mode. What the wrapper did to
+    tensors outside its outputs is redone as it was seen: the version counters it bumped (the inputs
+    the graph writes, for autograd's checks) and the dimension marks it left on the outputs (Dynamo's
+    hint to a later compile that takes them)."""
+
+    __slots__ = ("inputs", "graph", "args", "outputs", "bumped", "marks", "entry")
+
+    def __init__(self, inputs: object, graph, args: list, outputs: int, bumped: tuple, marks: tuple, entry):
+        self.inputs, self.graph, self.args, self.outputs = inputs, graph, args, outputs
+        self.bumped, self.marks, self.entry = bumped, marks, entry
+
+    @classmethod
+    def bind(cls, inputs: object, graph_calls: list, args: tuple, outputs, kept: int,
+             versions_before: dict) -> GraphCall | None:
+        """The graph-level call that stands for this frame-level one, or None where it cannot be proven."""
+        if len(graph_calls) != 1 or not isinstance(outputs, (list, tuple)):
+            return None
+        graph, graph_args, graph_outputs = graph_calls[0]
+        if not isinstance(graph_outputs, (list, tuple)) or len(graph_outputs) != len(outputs) \
+                or any(g is not o for g, o in zip(graph_outputs, outputs)):
+            return None
+        if not all(isinstance(a, torch.Tensor) or type(a) is int for a in graph_args):
+            return None
+        entry = _cpp_entry(graph.current_callable)
+        if entry is not None:  # the entry turns each size into a 0-d CPU tensor at every call: once is enough
+            graph_args = [a if isinstance(a, torch.Tensor) else torch.tensor(a, device="cpu") for a in graph_args]
+        tensors = {id(a): a for a in args if isinstance(a, torch.Tensor)}
+        bumped = tuple(tensors[k] for k, v in _versions(list(tensors.values())).items()
+                       if k in versions_before and v != versions_before[k])
+        marks = tuple((i, set(o._dynamo_propagated_dynamic_indices)) for i, o in enumerate(outputs)
+                      if isinstance(o, torch.Tensor) and hasattr(o, "_dynamo_propagated_dynamic_indices"))
+        return cls(inputs, graph, graph_args, kept, bumped, marks, entry)
+
+    def __call__(self) -> tuple:
+        if self.bumped:
+            torch._C._increment_version(self.bumped)
+        if torch.autograd.profiler._is_profiler_enabled:  # the graph's own call adds its profiler range
+            outputs = self.graph(list(self.args))
+        elif self.entry is not None:  # what the C++ wrapper's Python entry does, for tensors alone
+            aoti = torch._C._aoti
+            outputs = aoti.alloc_tensors_by_stealing_from_void_ptrs(
+                self.entry.cell_contents(aoti.unsafe_alloc_void_ptrs_from_tensors(self.args)))
+        else:
+            outputs = self.graph.current_callable(list(self.args))  # (it clears the list it is given)
+        for i, dims in self.marks:
+            outputs[i]._dynamo_propagated_dynamic_indices = set(dims)
+        return tuple(outputs[:self.outputs])
+
+
+def _cpp_entry(callable_):
+    """The cell that holds the C++ entry, where `callable_` is the Python entry of inductor's C++-wrapper
+    module as torch generates it: it hands `inductor_entry` (the cell's content) handles to its arguments,
+    each a tensor or a size made a CPU tensor, and takes the outputs' handles back. None for anything
+    else. The cell is read at each call, so that a wrapper put there (`tools/host_split.py` times the
+    entry so) is followed."""
+    code, cells = getattr(callable_, "__code__", None), getattr(callable_, "__closure__", None)
+    if code is None or not cells or len(cells) != 1:
+        return None
+    names = set(code.co_names)
+    known = {"unsafe_alloc_void_ptrs_from_tensors", "alloc_tensors_by_stealing_from_void_ptrs"} <= names
+    entry = getattr(callable_, "__globals__", {}).get("inductor_entry")
+    return cells[0] if known and entry is not None and cells[0].cell_contents is entry else None
+
+
+def _versions(values) -> dict[int, int]:
+    """The version counter of every tensor among `values` that has one (inference tensors have none)."""
+    return {id(v): v._version for v in values if isinstance(v, torch.Tensor) and not v.is_inference()}
+
+
+class _GraphCallRecorder:
+    """Records, on this thread, each call of an inductor graph (`CompiledFxGraph`) made inside the block:
+    the graph, its arguments as given (the entry clears its list) and its outputs. Binding is rare (once per bucket and step kind): the class's call
+    is swapped for the block under a lock, and calls on other threads pass through untouched."""
+
+    _lock = threading.Lock()
+
+    def __enter__(self) -> list:
+        from torch._inductor.output_code import CompiledFxGraph
+
+        self._lock.acquire()
+        self.calls, self.cls, self.original = [], CompiledFxGraph, CompiledFxGraph.__call__
+        thread, calls, original = threading.get_ident(), self.calls, self.original
+
+        def recording_call(graph, graph_args):
+            if threading.get_ident() != thread:
+                return original(graph, graph_args)
+            given = list(graph_args)
+            out = original(graph, graph_args)
+            calls.append((graph, given, out))
+            return out
+
+        CompiledFxGraph.__call__ = recording_call
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        self.cls.__call__ = self.original
+        self._lock.release()
 
 
 def compile_and_save(compiled, path: Path) -> None:

@@ -329,6 +329,109 @@ def test_a_frame_that_rearranges_the_graphs_outputs_is_not_bound(tmp_path, monke
     assert len(checks) == 3
 
 
+class _Accumulator(torch.nn.Module):
+    """A step that writes its pool in place, as the engine's steps write their caches, and returns rows
+    of it through a per-step index whose length is a symbol (as a decode bucket's rows are)."""
+
+    def __init__(self, marked: bool = True):
+        super().__init__()
+        self.pool = torch.zeros(5, 4)  # made outside inference mode: it has a version counter
+        self.rows = torch.zeros(2, dtype=torch.long)
+        if marked:  # only to be traced
+            torch._dynamo.decorators.mark_unbacked(self.rows, 0)
+
+    def forward(self):
+        out = self.pool[self.rows] * 2
+        self.pool.add_(1)
+        return (out,)
+
+
+def _graph_calls(monkeypatch) -> list:
+    """A list that gains an entry at every call of an inductor graph through its own `__call__` (what
+    AOTAutograd's runtime wrapper calls) from now on."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    calls, real_call = [], CompiledFxGraph.__call__
+    monkeypatch.setattr(CompiledFxGraph, "__call__", lambda self, args: calls.append(1) or real_call(self, args))
+    return calls
+
+
+def test_a_bound_call_runs_inductors_code_directly_and_does_what_the_wrapper_did(tmp_path, monkeypatch):
+    """Past the first call, a bound step calls inductor's compiled code itself, not AOTAutograd's
+    runtime wrapper around it (some 70 us of Python a step on `small`); what that wrapper does besides,
+    it still sees done: the pool written in place bumps its version counter as much a call, and the
+    outputs carry the same dynamic-dimension marks, while the values are those a plain call computes."""
+    package.compile_and_save(torch.compile(_Accumulator(), fullgraph=True, dynamic=False), tmp_path / "acc.bin")
+    module = _Accumulator(marked=False)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        assert package.load(compiled, tmp_path / "acc.bin")
+        forward = compiled.forward
+        before = module.pool._version
+        guarded = forward()[0]  # the guarded path, through the wrapper
+        per_call = module.pool._version - before
+        marks = guarded._dynamo_propagated_dynamic_indices
+        assert per_call > 0 and marks == {0}
+        key = object()
+        forward(key)  # binds
+        graph_calls = _graph_calls(monkeypatch)
+        for step, rows in enumerate(([1, 3], [0, 0], [4, 2])):
+            module.rows.copy_(torch.tensor(rows))
+            want = module.pool[module.rows] * 2
+            before = module.pool._version
+            out = forward(key)[0]
+            torch.testing.assert_close(out, want)
+            assert module.pool._version - before == per_call
+            assert out._dynamo_propagated_dynamic_indices == marks
+        assert graph_calls == []
+        torch.testing.assert_close(module.pool, torch.full((5, 4), 5.0))  # 1 + 1 (bind) + 3, all in place
+
+
+def test_a_bound_call_goes_through_the_graphs_own_call_under_the_profiler(tmp_path):
+    """Under torch's profiler, a bound call still shows as inductor's graph call in the trace, as an
+    unbound one does."""
+    package.compile_and_save(torch.compile(_Accumulator(), fullgraph=True, dynamic=False), tmp_path / "acc.bin")
+    module = _Accumulator(marked=False)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        assert package.load(compiled, tmp_path / "acc.bin")
+        key = object()
+        compiled.forward(key)
+        with torch.profiler.profile() as prof:
+            out = compiled.forward(key)[0]
+    torch.testing.assert_close(out, torch.full((2, 4), 2.0))  # the pool after one call, doubled
+    assert any("Call CompiledFxGraph" in e.name for e in prof.events())
+
+
+class _ReturnsAView(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.x = torch.ones(4)
+
+    def forward(self):
+        return (self.x[1:], self.x * 2)  # an output that aliases an input: the wrapper remakes it from its base
+
+
+def test_a_view_of_an_input_stays_a_view_through_a_bound_call(tmp_path):
+    """An output that is a view of an input is made again from the input by AOTAutograd's wrapper at
+    every call; a bound call must hand back the same: a view of the input as it is now, and one that
+    torch knows for a view of it (inductor's own output shares the memory, but as an inference tensor of
+    its own, which cannot be written outside inference mode)."""
+    package.compile_and_save(torch.compile(_ReturnsAView(), fullgraph=True, dynamic=False), tmp_path / "view.bin")
+    module = _ReturnsAView()
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        assert package.load(compiled, tmp_path / "view.bin")
+        key = object()
+        for value in (1.0, 3.0, 7.0):
+            view, doubled = compiled.forward(key)
+            module.x.fill_(value)
+            torch.testing.assert_close(view, torch.full((3,), value))  # reads x as it is now
+            assert view.data_ptr() == module.x.data_ptr() + module.x.element_size()
+            assert view._base is module.x and not view.is_inference()
+            module.x.fill_(value)
+
+
 def test_the_isa_probe_runs_once_per_machine(tmp_path, monkeypatch):
     """The first settle probes and records; a later one reads the record and never probes, and sets
     `vec_isa_ok` only where every ISA the CPU's flags list passed; a user's own setting is kept."""
