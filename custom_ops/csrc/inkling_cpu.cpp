@@ -1196,10 +1196,20 @@ INKLING_INLINE void softmax_rows_body(float* s, const float* bias, int64_t g, in
   for (int64_t h = 0; h < g; ++h) {
     float* sh = s + h * n;
     const float* bh = bias + h * n;
+    // The scaled scores W at a time, each lane keeping its own maximum (a maximum is exact, so lanes
+    // then tail give the same one as a single pass would).
+    vecf<W> top = vecf<W>{} - INFINITY;
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const vecf<W> v = loadv<W>(sh + i) * scale + loadv<W>(bh + i);
+      storev<W>(sh + i, v);
+      top = v > top ? v : top;
+    }
     float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
-      sh[j] = sh[j] * scale + bh[j];
-      mx = sh[j] > mx ? sh[j] : mx;
+    for (int l = 0; l < W; ++l) mx = top[l] > mx ? top[l] : mx;
+    for (; i < n; ++i) {
+      sh[i] = sh[i] * scale + bh[i];
+      mx = sh[i] > mx ? sh[i] : mx;
     }
     exp_in_place<W>(sh, n, mx);
     vecf<W> acc = {};
@@ -1250,26 +1260,52 @@ INKLING_INLINE void prefetch_row(const float* row, int64_t hd) {
   for (int64_t i = 0; i < hd; i += 16) __builtin_prefetch(row + i);
 }
 
+// Query heads whose scores a block of four keys makes at once, and value rows' heads summed at once:
+// each key or value row is loaded once per block of heads, not once per head, and the sums fit the
+// registers (32 with AVX-512, 16 with AVX2). A (head, key) dot and a (head, column) sum take the same
+// operations in the same order whatever the blocking.
+template <int W> constexpr int kDotHeads = W == 16 ? 4 : 2;
+template <int W> constexpr int kValueSums = W == 16 ? 16 : 8;
+
+// Heads h0 .. h0 + HB - 1 against keys j .. j + 3 (rows k[0..3]).
+template <int W, int V, int HB>
+INKLING_INLINE void dots_four_keys(const float* q, int64_t hd, const float* const* k, int64_t h0, int64_t j, int64_t n,
+                                   float* s) {
+  vecf<W> acc[HB][4] = {};
+#pragma GCC unroll 8
+  for (int i = 0; i < V; ++i) {
+    vecf<W> kv[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) kv[c] = loadv<W>(k[c] + W * i);
+#pragma GCC unroll 4
+    for (int b = 0; b < HB; ++b) {
+      const vecf<W> qv = loadv<W>(q + (h0 + b) * hd + W * i);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[b][c] += qv * kv[c];
+    }
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < HB; ++b) {
+    const vec4 sums = sum4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
+    for (int c = 0; c < 4; ++c) s[(h0 + b) * n + j + c] = sums[c];
+  }
+}
+
 template <int W, int V>
 INKLING_INLINE void group_dots_rows(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride,
                                     const int64_t* loc, int64_t n, float* s) {
   int64_t j = 0;
   if constexpr (V > 0) {
+    constexpr int HB = kDotHeads<W>;
     for (; j + 4 <= n; j += 4) {  // four keys at a time, their sums reduced together
       const float* k[4] = {base + loc[j] * stride, base + loc[j + 1] * stride, base + loc[j + 2] * stride,
                            base + loc[j + 3] * stride};
       for (int64_t c = j + kRowsAhead; c < std::min(n, j + kRowsAhead + 4); ++c) prefetch_row(base + loc[c] * stride, hd);
-      for (int64_t h = 0; h < g; ++h) {
-        vecf<W> acc[4] = {};
-#pragma GCC unroll 8
-        for (int i = 0; i < V; ++i) {
-          const vecf<W> qv = loadv<W>(q + h * hd + W * i);
-#pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) acc[c] += qv * loadv<W>(k[c] + W * i);
-        }
-        const vec4 sums = sum4(acc[0], acc[1], acc[2], acc[3]);
-        for (int c = 0; c < 4; ++c) s[h * n + j + c] = sums[c];
-      }
+      int64_t h = 0;
+      for (; h + HB <= g; h += HB) dots_four_keys<W, V, HB>(q, hd, k, h, j, n, s);
+      if constexpr (HB > 2)
+        for (; h + 2 <= g; h += 2) dots_four_keys<W, V, 2>(q, hd, k, h, j, n, s);
+      for (; h < g; ++h) dots_four_keys<W, V, 1>(q, hd, k, h, j, n, s);
     }
   }
   for (; j < n; ++j) {
@@ -1278,24 +1314,41 @@ INKLING_INLINE void group_dots_rows(const float* q, int64_t g, int64_t hd, const
   }
 }
 
+// Heads h0 .. h0 + HB - 1 of acc += p . values, their sums in registers over every value row.
+template <int W, int V, int HB>
+INKLING_INLINE void values_heads(const float* p, int64_t h0, int64_t n, const float* base, int64_t stride,
+                                 const int64_t* loc, int64_t hd, float* acc) {
+  vecf<W> sum[HB][V];
+#pragma GCC unroll 4
+  for (int b = 0; b < HB; ++b)
+#pragma GCC unroll 8
+    for (int i = 0; i < V; ++i) sum[b][i] = loadv<W>(acc + (h0 + b) * hd + W * i);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = base + loc[j] * stride;
+    if (h0 == 0 && j + kRowsAhead < n) prefetch_row(base + loc[j + kRowsAhead] * stride, hd);
+#pragma GCC unroll 8
+    for (int i = 0; i < V; ++i) {
+      const vecf<W> vv = loadv<W>(vj + W * i);
+#pragma GCC unroll 4
+      for (int b = 0; b < HB; ++b) sum[b][i] += p[(h0 + b) * n + j] * vv;
+    }
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < HB; ++b)
+#pragma GCC unroll 8
+    for (int i = 0; i < V; ++i) storev<W>(acc + (h0 + b) * hd + W * i, sum[b][i]);
+}
+
 template <int W, int V>
 INKLING_INLINE void group_values_rows(const float* p, int64_t g, int64_t n, const float* base, int64_t stride,
                                       const int64_t* loc, int64_t hd, float* acc) {
   if constexpr (V > 0) {
-    for (int64_t h = 0; h < g; ++h) {  // the head's sums stay in registers over every value row
-      vecf<W> sum[V];
-#pragma GCC unroll 8
-      for (int i = 0; i < V; ++i) sum[i] = loadv<W>(acc + h * hd + W * i);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vj = base + loc[j] * stride;
-        if (h == 0 && j + kRowsAhead < n) prefetch_row(base + loc[j + kRowsAhead] * stride, hd);
-        const float pj = p[h * n + j];
-#pragma GCC unroll 8
-        for (int i = 0; i < V; ++i) sum[i] += pj * loadv<W>(vj + W * i);
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < V; ++i) storev<W>(acc + h * hd + W * i, sum[i]);
-    }
+    constexpr int HB = kValueSums<W> / V >= 4 ? 4 : kValueSums<W> / V >= 2 ? 2 : 1;
+    int64_t h = 0;
+    for (; h + HB <= g; h += HB) values_heads<W, V, HB>(p, h, n, base, stride, loc, hd, acc);
+    if constexpr (HB > 2)
+      for (; h + 2 <= g; h += 2) values_heads<W, V, 2>(p, h, n, base, stride, loc, hd, acc);
+    for (; h < g; ++h) values_heads<W, V, 1>(p, h, n, base, stride, loc, hd, acc);
   } else {
     for (int64_t j = 0; j < n; ++j) {
       const float* vj = base + loc[j] * stride;
