@@ -1253,11 +1253,15 @@ INKLING_INLINE vec4 sum4(V a0, V a1, V a2, V a3) {
 
 // Decode attention for the g query heads that share a kv head: each key and value row is read from
 // memory once for all of them. Row j is at base + loc[j] * stride; q and acc are [g, hd], s and p are
-// [g, n]. V = hd / W: the row in V registers (0: generic loops, any hd). Key and value rows come from all over the cache (L3 or memory at batch 32): asked for
-// this many rows ahead of their use, one request per 64-byte line.
-constexpr int64_t kRowsAhead = 16;
+// [g, n]. V = hd / W: the row in V registers (0: generic loops, any hd). Key and value rows come from
+// all over the cache, and in a decode step from memory (the weights read between two layers' attention
+// push them out): each is asked for this many rows ahead of its use, the first ones before the loop,
+// one request per 64-byte line, with the low-locality hint, which leaves more misses in flight than
+// requests into L1 do (tools/bench_decode_attention.py --from-memory: a global layer of `small` at
+// batch 32 and 1,000 keys took 4.3-4.6 ms a call at 16 rows ahead into L1, 2.9 ms this way).
+constexpr int64_t kRowsAhead = 32;
 INKLING_INLINE void prefetch_row(const float* row, int64_t hd) {
-  for (int64_t i = 0; i < hd; i += 16) __builtin_prefetch(row + i);
+  for (int64_t i = 0; i < hd; i += 16) __builtin_prefetch(row + i, 0, 1);
 }
 
 // Query heads whose scores a block of four keys makes at once, and value rows' heads summed at once:
@@ -1294,6 +1298,7 @@ INKLING_INLINE void dots_four_keys(const float* q, int64_t hd, const float* cons
 template <int W, int V>
 INKLING_INLINE void group_dots_rows(const float* q, int64_t g, int64_t hd, const float* base, int64_t stride,
                                     const int64_t* loc, int64_t n, float* s) {
+  for (int64_t c = 0; c < std::min(n, kRowsAhead); ++c) prefetch_row(base + loc[c] * stride, hd);
   int64_t j = 0;
   if constexpr (V > 0) {
     constexpr int HB = kDotHeads<W>;
@@ -1342,6 +1347,7 @@ INKLING_INLINE void values_heads(const float* p, int64_t h0, int64_t n, const fl
 template <int W, int V>
 INKLING_INLINE void group_values_rows(const float* p, int64_t g, int64_t n, const float* base, int64_t stride,
                                       const int64_t* loc, int64_t hd, float* acc) {
+  for (int64_t c = 0; c < std::min(n, kRowsAhead); ++c) prefetch_row(base + loc[c] * stride, hd);
   if constexpr (V > 0) {
     constexpr int HB = kValueSums<W> / V >= 4 ? 4 : kValueSums<W> / V >= 2 ? 2 : 1;
     int64_t h = 0;
