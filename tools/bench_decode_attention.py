@@ -7,7 +7,9 @@ in a shuffled block table), one query a row, and the key and value bytes each re
 Prints microseconds a call and GB/s of keys and values: with --from-memory, the median of --reps calls
 each timed alone after 64 MB of other data went through the caches (as in a decode step, where the
 weights stream between one layer's attention and the next); without it, the best of five timings of
---reps calls back to back, whose keys stay in L2/L3 as far as they fit.
+--reps calls back to back, whose keys stay in L2/L3 as far as they fit. The flush also evicts the
+interpreter's and the dispatcher's own code and data, which a step keeps warm: --from-memory prints
+what a 512-float multiply takes after the same flush, a fixed cost inside every figure it prints.
 """
 
 import argparse
@@ -51,6 +53,9 @@ def main() -> None:
     if not native_kernels():
         raise SystemExit("the C++ kernels did not build")
     g = torch.Generator().manual_seed(0)
+    if args.from_memory:
+        small = torch.randn(512, generator=g)
+        print(f"a 512-float multiply after the same flush: {best_us(lambda: small * 2, args.reps, True):.1f} us")
     B = args.batch
     q, table = torch.randn(B, HEADS, HEAD_DIM, generator=g), torch.randn(B, HEADS, EXTENT, generator=g)
     slots = torch.arange(B, dtype=torch.int32)
