@@ -245,6 +245,10 @@ class StepBuffers:
         decode = self.decode_region.host
         decode["query_start_loc"][:] = self._arange[:len(decode["query_start_loc"])]
         decode["last_token_index"][:] = self._arange[:len(decode["last_token_index"])]
+        if self.verify_region is not None:  # and a verify step's: row i's tokens are i * (K+1) .. i * (K+1) + K
+            verify, T_d = self.verify_region.host, draft_tokens + 1
+            verify["query_start_loc"][:] = self._arange[:len(verify["query_start_loc"])] * T_d
+            verify["last_token_index"][:] = self._arange[:len(verify["last_token_index"])] * T_d + T_d - 1
         self._h = self.decode_region.host  # the host fields of the step being prepared
         self.last_step: tuple[str, int, int, int] | None = None  # (kind, rows, tokens, checkpoints) last published
         self.published: dict[str, torch.Tensor] | None = None  # the fields of the step last published
@@ -412,30 +416,42 @@ class StepBuffers:
         if not self.draft_tokens:
             raise ValueError("these step buffers were made without draft tokens (draft_tokens=0): no verify steps")
         self._check_bounds(rows, rows)
-        h = self._host("verify")
-        T = rows * T_d
-        h["input_ids"][:n * T_d] = [t for row in tokens for t in row]
-        h["input_ids"][n * T_d:T] = 0
-        for name, values in (("cache_indices", slots), ("positions", cached_lens)):
-            h[name][:n] = values
-            h[name][n:rows] = 0
-        slot, first = h["cache_indices"][:rows], h["positions"][:rows].copy()
-        limit = np.zeros(rows, dtype=np.int64)
-        limit[:n] = limits
-        limit[n:] = 1  # a padded row: position 0 only, so its writes stay in the dummy page's first row
-        h["drafted"][:n] = drafted
-        h["drafted"][n:rows] = 0
-        row_of = np.repeat(self._arange[:rows], T_d)
-        pos = first[row_of] + np.tile(self._arange[:T_d], rows)
-        writable = pos < limit[row_of]
-        h["positions"][:T] = np.minimum(pos, limit[row_of] - 1)
-        np.add(first, 1, out=h["seq_lens"][:rows], casting="unsafe")
-        h["query_start_loc"][:rows + 1] = self._arange[:rows + 1] * T_d
-        np.greater(slot, 0, out=h["has_initial_state"][:rows])
-        h["last_token_index"][:rows] = self._arange[:rows] * T_d + T_d - 1
-        self._fill_kv_locations(T, np.where(writable, slot[row_of], 0), np.where(writable, pos, 0), ring_kept=writable)
-        self._fill_sampling(sampling, rows)
-        return self._publish("verify", rows, T)
+        if not len(tokens) == len(cached_lens) == len(limits) == len(drafted) == len(sampling) == n <= rows \
+                or any(len(row) != T_d for row in tokens):  # or a field spills into the next
+            raise ValueError(f"a verify step takes {T_d} tokens, a position, a limit, a draft count and sampling per "
+                             f"slot, padded to at least its rows: {len(tokens)} token rows, {n} slots, "
+                             f"{len(cached_lens)} positions, {len(limits)} limits, {len(drafted)} counts, "
+                             f"{len(sampling)} sampling rows, padded to {rows}")
+        # Packed from Python lists a field at a time, as a decode step's are (`FieldRegion.write`): numpy's
+        # calls on a few entries cost more than the entries; query_start_loc and last_token_index are fixed.
+        self._host("verify")
+        region, pad = self.verify_region, [0] * (rows - n)
+        slot, first, limit = list(slots) + pad, list(cached_lens) + pad, list(limits) + [1] * (rows - n)
+        region.write("input_ids", [t for row in tokens for t in row] + [0] * (len(pad) * T_d))
+        region.write("cache_indices", slot)
+        region.write("seq_lens", [p + 1 for p in first])
+        region.write("drafted", list(drafted) + pad)
+        region.write("has_initial_state", [s > 0 for s in slot])
+        table, page_size, ring_size = self._block_table, self.page_size, self.ring_size
+        dummy = page_location(table, 0, 0, page_size)
+        positions, global_loc, sliding_loc = [], [], []
+        for s, p0, end in zip(slot, first, limit):
+            for p in range(p0, p0 + T_d):
+                if p < end:
+                    positions.append(p)
+                    global_loc.append(page_location(table, s, p, page_size))
+                    sliding_loc.append(ring_location(s, p, ring_size))
+                else:  # past the row's pages: the dummy page, no ring entry, read as at end - 1
+                    positions.append(end - 1)
+                    global_loc.append(dummy)
+                    sliding_loc.append(-1)
+        region.write("positions", positions)
+        region.write("global_kv_loc", global_loc)
+        region.write("sliding_kv_loc", sliding_loc)
+        rows_sampling = list(sampling) + [GREEDY_PAD] * (rows - n)
+        for name in RowSampling.__struct_fields__:
+            region.write(name, [getattr(row, name) for row in rows_sampling])
+        return self._publish("verify", rows, rows * T_d)
 
     def prepare_verify_padding(self, rows: int) -> StepMetadata:
         """A verify step of padding rows only (warm-up and capture)."""

@@ -235,6 +235,49 @@ def test_a_decode_step_fills_every_field_as_a_plain_loop_would(staged):
         assert torch.equal(getattr(md, name), torch.tensor(values, dtype=torch.float32)), name
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_verify_step_fills_every_field_as_a_plain_loop_would(staged):
+    """Verify prep, packed a field at a time like decode's: each field against values computed here token
+    by token (K=2), a row whose last tokens pass its limit (the dummy page, no ring entry, read at the
+    limit's position) and a padding row included, after a full verify step and a prefill used the buffers."""
+    from inkling_compiled.metadata import RowSampling, StepBuffers
+
+    config, pool = tiny_pool()
+    g = torch.Generator().manual_seed(4)
+    pool.block_table_host.copy_(torch.randint(1, 9, pool.block_table_host.shape, generator=g))
+    buffers = StepBuffers(config, pool.block_table_host, page_size=4, max_batch_size=4, max_tokens=64, staged=staged,
+                          draft_tokens=2)
+    buffers.prepare_verify([[9, 9, 9]] * 4, [1, 2, 3, 4], [5, 6, 7, 8], [99] * 4, [2] * 4,
+                           [RowSampling(0.5, 2, 0.5, 9, 9)] * 4)
+    buffers.prepare_prefill([[5] * 12, [6] * 10], [1, 2], [GREEDY_PAD] * 2)
+    tokens, slots, lens, limits, drafted = [[17, 3, 250], [4, 5, 6], [7, 8, 9]], [3, 1, 2], [13, 0, 9], [99, 99, 10], [2, 0, 1]
+    sampling = [RowSampling(0.7, 5, 0.9, 2**40 + 1, 12), RowSampling(0.0, 0, 1.0, 0, 0), RowSampling(1.3, 1, 0.25, 7, 3)]
+    md = buffers.prepare_verify(tokens, slots, lens, limits, drafted, sampling, pad_to=4)
+    ring, page = buffers.ring_size, 4
+    slot, first, limit = slots + [0], lens + [0], limits + [1]
+    positions, global_loc, sliding_loc = [], [], []
+    for s, p0, end in zip(slot, first, limit):
+        for p in (p0, p0 + 1, p0 + 2):
+            kept = p < end
+            positions.append(p if kept else end - 1)
+            global_loc.append(int(pool.block_table_host[s, p // page]) * page + p % page if kept
+                              else int(pool.block_table_host[0, 0]) * page)
+            sliding_loc.append(s * ring + p % ring if kept else -1)
+    want = {
+        "input_ids": [17, 3, 250, 4, 5, 6, 7, 8, 9, 0, 0, 0], "cache_indices": slot, "positions": positions,
+        "seq_lens": [p + 1 for p in first], "query_start_loc": [0, 3, 6, 9, 12], "last_token_index": [2, 5, 8, 11],
+        "has_initial_state": [s > 0 for s in slot], "drafted": [2, 0, 1, 0],
+        "global_kv_loc": global_loc, "sliding_kv_loc": sliding_loc,
+        "top_k": [5, 0, 1, 0], "seed": [2**40 + 1, 0, 7, 0], "sample_counter": [12, 0, 3, 0]}
+    assert md.draft_tokens == 2 and not md.is_decode
+    for name, values in want.items():
+        assert getattr(md, name).tolist() == values, name
+    for name, values in (("temperature", [0.7, 0.0, 1.3, 0.0]), ("top_p", [0.9, 1.0, 0.25, 1.0])):
+        assert torch.equal(getattr(md, name), torch.tensor(values, dtype=torch.float32)), name
+    with pytest.raises(ValueError, match="a verify step takes 3 tokens"):  # a row of the wrong length
+        buffers.prepare_verify([[1, 2]], [1], [3], [99], [1], [GREEDY_PAD])
+
+
 @pytest.mark.parametrize("ids, slots, lens, rows, pad_to", [
     ([1, 2], [1], [3], 1, None), ([1], [1, 2], [3, 4], 2, None), ([1, 2], [1, 2], [3], 2, None),
     ([1, 2], [1, 2], [3, 4], 1, None), ([1, 2, 3], [1, 2, 3], [3, 4, 5], 3, 2)])
