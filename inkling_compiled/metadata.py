@@ -195,6 +195,12 @@ class FieldRegion:
         about half of numpy's assignments and arithmetic on a few entries."""
         struct.pack_into(f"{len(values)}{_STRUCT_CODES[name]}", self._bytes, self.offsets[name], *values)
 
+    def write_sampling(self, sampling: list[RowSampling], rows: int) -> None:
+        """Each sampling field's first `rows` entries: the rows' own, then padding rows' (greedy)."""
+        padded = list(sampling) + [GREEDY_PAD] * (rows - len(sampling))
+        for name in RowSampling.__struct_fields__:
+            self.write(name, [getattr(row, name) for row in padded])
+
     def used(self, tokens: int) -> int:
         """Bytes a step with `tokens` tokens uses (up to the last field's used part)."""
         return self.offsets[self.last] + tokens * BUFFER_SPECS[self.last].dtype.itemsize
@@ -348,9 +354,7 @@ class StepBuffers:
         table, page_size, ring_size = self._block_table, self.page_size, self.ring_size
         region.write("global_kv_loc", [page_location(table, s, p, page_size) for s, p in zip(slot, pos)])
         region.write("sliding_kv_loc", [ring_location(s, p, ring_size) for s, p in zip(slot, pos)])
-        rows_sampling = sampling + [GREEDY_PAD] * (rows - n)
-        for name in RowSampling.__struct_fields__:
-            region.write(name, [getattr(s, name) for s in rows_sampling])
+        region.write_sampling(sampling, rows)
         return self._publish("decode", rows, rows)
 
     def prepare_padding(self, rows: int) -> StepMetadata:
@@ -448,9 +452,7 @@ class StepBuffers:
         region.write("positions", positions)
         region.write("global_kv_loc", global_loc)
         region.write("sliding_kv_loc", sliding_loc)
-        rows_sampling = list(sampling) + [GREEDY_PAD] * (rows - n)
-        for name in RowSampling.__struct_fields__:
-            region.write(name, [getattr(row, name) for row in rows_sampling])
+        region.write_sampling(sampling, rows)
         return self._publish("verify", rows, rows * T_d)
 
     def prepare_verify_padding(self, rows: int) -> StepMetadata:
