@@ -88,15 +88,15 @@ def sconv_verify_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.T
 
 def commit_conv_windows_reference(states: list[torch.Tensor], windows: list[torch.Tensor], slots: torch.Tensor,
                                   steps: torch.Tensor) -> None:
-    """After a verify: for each verify row i, every layer's window of `slots[i]` becomes the one saved after
-    token `steps[i]` (the last accepted); a negative step leaves the slot alone. states[s] is a pool
-    stream `[L_s, slots, K-1, D]`, windows[s] its draft windows `[L_s, rows, T_d, K-1, D]`. No host sync:
-    a skipped row writes its slot's own windows back."""
+    """After a verify: for each verify row i, the window of `slots[i]` in every (stream, layer) state becomes
+    the one saved after token `steps[i]` (the last accepted); a negative step leaves the slot alone.
+    states[s] is one layer of a pool stream `[slots, K-1, D]`, windows[s] its draft windows
+    `[rows, T_d, K-1, D]`. No host sync: a skipped row writes its slot's own window back."""
     rows = torch.arange(slots.shape[0], device=slots.device)
     target, step = slots.long(), steps.long()
-    keep = (step >= 0)[None, :, None, None]
+    keep = (step >= 0)[:, None, None]
     for state, saved in zip(states, windows):
-        state.index_copy_(1, target, torch.where(keep, saved[:, rows, step.clamp(min=0)], state[:, target]))
+        state.index_copy_(0, target, torch.where(keep, saved[rows, step.clamp(min=0)], state[target]))
 
 
 sconv_verify = define(

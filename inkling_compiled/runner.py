@@ -312,7 +312,6 @@ class Runner:
         prep may already have refilled."""
         pool = self.backend.pool
         with nvtx_range("commit conv windows"):
-            # The op takes stacked [L, ...] tensors per stream; the pool's are per layer, one L=1 view each.
             torch.ops.inkling.commit_conv_windows(
-                [t[None] for t in each_layer(pool.conv.values())], [w[None] for w in pool.draft_windows()],
+                each_layer(pool.conv.values()), pool.draft_windows(),
                 torch.tensor(slots, dtype=torch.int32).to(steps.device, non_blocking=True), steps[:len(slots)])

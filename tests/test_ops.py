@@ -272,7 +272,7 @@ def op_samples():
         torch.tensor([True, False]), idx)
     yield torch.ops.inkling.sconv_verify.default, (torch.randn(6, 8, generator=g), pool[1], w, idx,
                                                    torch.zeros(3, 3, 3, 8))
-    yield torch.ops.inkling.commit_conv_windows.default, ([pool.clone()], [torch.randn(2, 3, 3, 3, 8, generator=g)],
+    yield torch.ops.inkling.commit_conv_windows.default, ([t.clone() for t in pool], [t.clone() for t in torch.randn(2, 3, 3, 3, 8, generator=g)],
                                                           idx, torch.tensor([2, -1]))
     yield torch.ops.inkling.kv_write.default, (
         torch.zeros(8, 2, 4), torch.zeros(8, 2, 4), torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g),

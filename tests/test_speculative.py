@@ -91,14 +91,13 @@ def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K, kernel)
     assert torch.allclose(y.view(len(rows), T_d, D), torch.stack(want_y, 1), atol=1e-6)
 
     steps = torch.tensor([0, 3, -1, 1])  # rows accept 0, 3, (finished: left alone), 1 drafts
-    pool = torch.stack([state.clone(), state.clone()])  # a pool stream of two layers
-    saved = torch.stack([windows, windows])
-    commit([pool], [saved], rows, steps)
+    pool = [state.clone(), state.clone()]  # a pool stream of two layers, one tensor each, the second's windows +1
+    commit(pool, [windows, windows + 1], rows, steps)
     for i, (slot, step) in enumerate(zip(rows.tolist(), steps.tolist())):
         want = before[slot] if step < 0 else want_windows[step][i]
-        assert torch.equal(pool[0, slot], want) and torch.equal(pool[1, slot], want)
+        assert torch.equal(pool[0][slot], want) and torch.equal(pool[1][slot], want + (step >= 0))
     untouched = [s for s in range(1, slots) if s not in rows.tolist()]
-    assert torch.equal(pool[0, untouched], before[untouched])
+    assert torch.equal(pool[0][untouched], before[untouched]) and torch.equal(pool[1][untouched], before[untouched])
 
 
 @pytest.mark.parametrize("kernel", ["op", "reference"])
@@ -570,8 +569,8 @@ def test_padding_rows_stay_in_bounds_when_k_outgrows_a_page(checkpoint):
 
 def test_a_refused_commit_changes_nothing():
     """The C++ commit checks every stream and row before it copies anything."""
-    states = [torch.zeros(2, 4, 2, 3), torch.zeros(1, 4, 2, 5)]
-    windows = [torch.ones(2, 2, 3, 2, 3), torch.ones(1, 2, 2, 2, 5)]  # the second stream saved 2 steps, not 3
+    states = [torch.zeros(4, 2, 3), torch.zeros(4, 2, 3), torch.zeros(4, 2, 5)]
+    windows = [torch.ones(2, 3, 2, 3), torch.ones(2, 3, 2, 3), torch.ones(2, 2, 2, 5)]  # the last saved 2 steps, not 3
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.inkling.commit_conv_windows(states, windows, torch.tensor([1, 2], dtype=torch.int32),
                                               torch.tensor([0, 2]))

@@ -68,12 +68,12 @@ def test_sconv_verify_and_commit(K, D, T_d):
     assert torch.equal(state, before) and close(got, want, torch.float32)
     assert torch.equal(got_windows, want_windows)
     # the commit, over a pool stream of two layers, rows accepting different counts (and one skipped)
-    pools = [torch.stack([before, before + 1]) for _ in range(2)]
-    saved = torch.stack([got_windows, got_windows * 2])
+    pools = [[before.clone(), before + 1] for _ in range(2)]
+    saved = [got_windows, got_windows * 2]
     slots, steps = ids([3, 1, 5]), ids([T_d - 1, 0, -1], dtype=torch.int64)
-    KERNELS["commit_conv_windows"]["reference"]([pools[0]], [saved], slots, steps)
-    CUDA["commit_conv_windows"]([pools[1]], [saved], slots, steps)
-    assert torch.equal(pools[0], pools[1]) and not torch.equal(pools[0][:, 3], torch.stack([before, before + 1])[:, 3])
+    KERNELS["commit_conv_windows"]["reference"](pools[0], saved, slots, steps)
+    CUDA["commit_conv_windows"](pools[1], saved, slots, steps)
+    assert all(torch.equal(a, b) for a, b in zip(*pools)) and not torch.equal(pools[0][0][3], before[3])
 
 
 @pytest.mark.parametrize("K, D", [(3, 40), (4, 200)])
@@ -356,7 +356,7 @@ def test_launchers_never_look_at_their_data(op, monkeypatch):
         "sconv_extend": (torch.randn(5, 8, generator=g), state, w, torch.tensor([0, 2, 5], **i32),
                          torch.tensor([True, False]), torch.tensor([1, 2], **i32)),
         "sconv_verify": (torch.randn(6, 8, generator=g), state, w, torch.tensor([1, 0], **i32), torch.zeros(4, 3, 2, 8)),
-        "commit_conv_windows": ([torch.randn(2, 4, 2, 8, generator=g)], [torch.randn(2, 4, 3, 2, 8, generator=g)],
+        "commit_conv_windows": ([torch.randn(4, 2, 8, generator=g)], [torch.randn(4, 3, 2, 8, generator=g)],
                                 torch.tensor([1, 2], **i32), torch.tensor([0, 2])),
         "kv_write": (cache, cache.clone(), torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g),
                      torch.tensor([3, -1, 9])),

@@ -65,7 +65,7 @@ def sample_launches() -> list:
                                   torch.tensor([True, False]), torch.zeros(2, **i32))
         windows = torch.zeros(4, 3, K - 1, 40)
         gpu["sconv"].sconv_verify(torch.zeros(6, 40), state, w, torch.zeros(2, **i32), windows)
-        gpu["sconv"].commit_conv_windows([state[None]], [windows[None]], torch.zeros(2, **i32),
+        gpu["sconv"].commit_conv_windows([state], [windows], torch.zeros(2, **i32),
                                          torch.zeros(2, dtype=torch.int64))
     for dtype in (torch.float32, torch.bfloat16):
         cache = torch.zeros(64, 2, 16, dtype=dtype)

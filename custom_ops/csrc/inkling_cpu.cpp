@@ -229,11 +229,12 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   return y;
 }
 
-// After a verify: for each row i with steps[i] >= 0, every layer's window of slots[i] in each pool stream
-// becomes the one saved after token steps[i] (states[s] [L, slots, K-1, D], windows[s] [L, rows, T, K-1, D]).
+// After a verify: for each row i with steps[i] >= 0, the window of slots[i] in each (stream, layer) tensor
+// becomes the one saved after token steps[i] (states[s] [slots, K-1, D], windows[s] [rows, T, K-1, D]: the
+// pool's own per-layer tensors, so a caller passes them as they are).
 void commit_conv_windows(at::TensorList states, at::TensorList windows, const at::Tensor& slots_in,
                          const at::Tensor& steps_in) {
-  TORCH_CHECK(states.size() == windows.size(), "commit_conv_windows: one window tensor per pool stream");
+  TORCH_CHECK(states.size() == windows.size(), "commit_conv_windows: one window tensor per state tensor");
   TORCH_CHECK(slots_in.numel() == steps_in.numel(), "commit_conv_windows: one step per slot");
   const auto slots = slots_in.to(at::kLong).contiguous();
   const auto steps = steps_in.to(at::kLong).contiguous();
@@ -244,29 +245,28 @@ void commit_conv_windows(at::TensorList states, at::TensorList windows, const at
   for (size_t s = 0; s < states.size(); ++s) {
     const at::Tensor& state = states[s];
     const at::Tensor& saved = windows[s];
-    TORCH_CHECK(state.scalar_type() == at::kFloat && saved.scalar_type() == at::kFloat && state.dim() == 4 &&
-                saved.dim() == 5, "commit_conv_windows: fp32 states [L, slots, K-1, D] and windows [L, rows, T, K-1, D]");
-    TORCH_CHECK(saved.size(0) == state.size(0) && saved.size(3) == state.size(2) && saved.size(4) == state.size(3),
-                "commit_conv_windows: windows and states disagree on layers or window shape");
-    const int64_t D = state.size(3);
-    TORCH_CHECK(state.stride(3) == 1 && state.stride(2) == D && saved.stride(4) == 1 && saved.stride(3) == D,
+    TORCH_CHECK(state.scalar_type() == at::kFloat && saved.scalar_type() == at::kFloat && state.dim() == 3 &&
+                saved.dim() == 4, "commit_conv_windows: fp32 states [slots, K-1, D] and windows [rows, T, K-1, D]");
+    TORCH_CHECK(saved.size(2) == state.size(1) && saved.size(3) == state.size(2),
+                "commit_conv_windows: windows and states disagree on the window shape");
+    const int64_t D = state.size(2);
+    TORCH_CHECK(state.stride(2) == 1 && state.stride(1) == D && saved.stride(3) == 1 && saved.stride(2) == D,
                 "commit_conv_windows: each window must be one contiguous run of (K-1)*D values");
     for (int64_t i = 0; i < n; ++i)
-      TORCH_CHECK(step[i] < 0 || (slot[i] >= 0 && slot[i] < state.size(1) && step[i] < saved.size(2) &&
-                                  i < saved.size(1)),
+      TORCH_CHECK(step[i] < 0 || (slot[i] >= 0 && slot[i] < state.size(0) && step[i] < saved.size(1) &&
+                                  i < saved.size(0)),
                   "commit_conv_windows: slot ", slot[i], " or step ", step[i], " out of range");
   }
   for (size_t s = 0; s < states.size(); ++s) {
     at::Tensor state = states[s];
     const at::Tensor& saved = windows[s];
-    const int64_t L = state.size(0), H = state.size(2), D = state.size(3);
+    const int64_t window = state.size(1) * state.size(2);
     float* sp = state.data_ptr<float>();
     const float* wp = saved.data_ptr<float>();
     for (int64_t i = 0; i < n; ++i) {
       if (step[i] < 0) continue;
-      for (int64_t l = 0; l < L; ++l)
-        std::memcpy(sp + l * state.stride(0) + slot[i] * state.stride(1),
-                    wp + l * saved.stride(0) + i * saved.stride(1) + step[i] * saved.stride(2), H * D * sizeof(float));
+      std::memcpy(sp + slot[i] * state.stride(0), wp + i * saved.stride(0) + step[i] * saved.stride(1),
+                  window * sizeof(float));
     }
   }
 }

@@ -168,30 +168,27 @@ def sconv_verify(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, cac
 
 
 @triton.jit
-def _commit_kernel(state_ptr, win_ptr, slot_ptr, step_ptr, n, ss_layer, ss_slot, sv_layer, sv_row, sv_step,
-                   BLOCK: tl.constexpr):
-    """One program per (verify row, layer, block of the window's (K-1)*D contiguous values)."""
-    # int64: layer x the layer stride outgrows int32 on big pools (66 layers of 257 rows x 9 steps x 3 x 6144)
-    i, layer = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+def _commit_kernel(state_ptr, win_ptr, slot_ptr, step_ptr, n, ss_slot, sv_row, sv_step, BLOCK: tl.constexpr):
+    """One program per (verify row, block of the window's (K-1)*D contiguous values)."""
+    i = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     step = tl.load(step_ptr + i).to(tl.int64)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     m = (e < n) & (step >= 0)
-    saved = tl.load(win_ptr + layer * sv_layer + i * sv_row + step * sv_step + e, mask=m, other=0.0)
-    tl.store(state_ptr + layer * ss_layer + slot * ss_slot + e, saved, mask=m)
+    saved = tl.load(win_ptr + i * sv_row + step * sv_step + e, mask=m, other=0.0)
+    tl.store(state_ptr + slot * ss_slot + e, saved, mask=m)
 
 
 def commit_conv_windows(states: list[torch.Tensor], windows: list[torch.Tensor], slots: torch.Tensor,
                         steps: torch.Tensor) -> None:
-    """Signature and effect of `sconv.commit_conv_windows_reference`: one launch per pool stream."""
+    """Signature and effect of `sconv.commit_conv_windows_reference`: one launch per (stream, layer) tensor."""
     rows = slots.shape[0]
     if rows == 0:
         return
     for state, saved in zip(states, windows):
-        L, _, taps, D = state.shape
+        _, taps, D = state.shape
         assert state.stride(-1) == 1 and state.stride(-2) == D and saved.stride(-1) == 1 and saved.stride(-2) == D, \
             "each window must be one contiguous run of (K-1)*D values"
         n = taps * D
-        _commit_kernel[(rows, L, triton.cdiv(n, BLOCK_D))](
-            state, saved, slots, steps, n, state.stride(0), state.stride(1), saved.stride(0), saved.stride(1),
-            saved.stride(2), BLOCK=BLOCK_D)
+        _commit_kernel[(rows, triton.cdiv(n, BLOCK_D))](
+            state, saved, slots, steps, n, state.stride(0), saved.stride(0), saved.stride(1), BLOCK=BLOCK_D)

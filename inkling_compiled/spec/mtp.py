@@ -224,7 +224,7 @@ class MtpDrafter(Drafter):
             carry.index_copy_(0, slot_ids, out[:B])
         steps = torch.tensor(counts, dtype=torch.long, device=prev.device) - 1
         torch.ops.inkling.commit_conv_windows(
-            [t[None] for t in each_layer(self.pool.conv.values())], [w[None] for w in self.pool.draft_windows()],
+            each_layer(self.pool.conv.values()), self.pool.draft_windows(),
             slot_ids.to(torch.int32), steps)
         for (track, known, n), row in zip(rows, drafts[:B].tolist()):
             self._advance(track, [d + n for d in track.done])
