@@ -226,6 +226,27 @@ def test_mtp_greedy_equals_plain_decoding_and_transformers(K, checkpoint, hf_gre
     assert spec.stats()["verify_steps"] > 0 and spec.stats()["decode_steps"] == 0
 
 
+def test_the_head_takes_a_prompt_in_during_its_prefill(checkpoint, monkeypatch):
+    """The step that ends a prompt also runs the head's extend forwards over it (the draft head's prefill is
+    prefill work): each depth then stands one position short of where a draft step continues it, and the
+    decode steps after run the draft step alone, with no extend forward of the head."""
+    K = 2
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, max_model_len=64,
+                                    speculative="mtp", num_speculative_tokens=K, progress=False)
+    prompts = [random_prompt(9, seed=72), random_prompt(13, seed=73)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    engine.step()
+    tracks = {len(req.prompt): track for req, track in engine.drafter.tracks.items()}
+    assert {n: t.done for n, t in tracks.items()} == {len(p): [len(p) - 1 - i for i in range(K)] for p in prompts}
+    extends = []
+    take_in = engine.drafter._take_in
+    monkeypatch.setattr(engine.drafter, "_take_in", lambda behind: (extends.append(behind), take_in(behind)))
+    while engine.has_unfinished():
+        engine.step()
+    assert extends == []
+
+
 def test_mtp_with_continuous_batching_chunked_prefill_and_prefix_hits(checkpoint):
     """Staggered arrivals, prompts prefilled over several steps, a shared prefix served from the cache (the
     head's history then starts past it) and an abort: outputs stay those of plain decoding."""

@@ -135,6 +135,7 @@ class MtpDrafter(Drafter):
 
     # ---- what the target did ----------------------------------------------------------------------
 
+    @torch.inference_mode()
     def observe_prefill(self, reqs: list, lengths: list[int], hidden: torch.Tensor | None) -> None:
         for req, start, n in zip(reqs, itertools.accumulate([0] + lengths), lengths):
             track = self.tracks.get(req)
@@ -145,6 +146,11 @@ class MtpDrafter(Drafter):
             rows = hidden[start:start + n].clone()  # its own copy: the packed step output can go
             for j in range(n):
                 track.hidden[req.prefilled + j] = rows[j]
+        # A prompt that took its first token: the head takes the prompt in now, as part of the prefill (a
+        # draft head's prefill is prefill work), so the first decode step drafts at once.
+        complete = [req for req in reqs if req.output and req.finish_reason is None]
+        if complete:
+            self._ready(complete)
 
     def observe_tokens(self, reqs: list, emitted: list[int], hidden: torch.Tensor | None) -> None:
         for i, (req, n) in enumerate(zip(reqs, emitted)):
@@ -164,6 +170,20 @@ class MtpDrafter(Drafter):
         can for sure by extend forwards (`_take_in`), which leave them one certain position to draft from
         when their history is long enough, or else no drafts this step. Asking again before the target has
         moved returns the same drafts."""
+        for piece in self.buckets.split(self._ready(reqs)):
+            if piece:
+                self._draft(piece)
+        out = []
+        for req in reqs:
+            track = self.tracks.get(req)
+            out.append(track.drafts if track is not None and track.drafted_at == len(req.prompt) + len(req.output) - 1
+                       else None)
+        return out
+
+    def _ready(self, reqs: list) -> list:
+        """The rows (track, known tokens, certain tokens n) of `reqs` that a draft step continues now, those
+        behind first brought up by extend forwards; a row too short to draft from is marked drafted with
+        no drafts for its newest position."""
         fresh = []
         for req in reqs:
             track = self.tracks.get(req)
@@ -186,15 +206,7 @@ class MtpDrafter(Drafter):
                 track.drafted_at, track.drafts = P, None
         if behind:
             self._take_in(behind)
-        for piece in self.buckets.split(ready):
-            if piece:
-                self._draft(piece)
-        out = []
-        for req in reqs:
-            track = self.tracks.get(req)
-            out.append(track.drafts if track is not None and track.drafted_at == len(req.prompt) + len(req.output) - 1
-                       else None)
-        return out
+        return ready
 
     def _draft(self, rows: list) -> None:
         """One draft step over `rows` (track, known tokens, certain tokens n): every depth runs its row
