@@ -175,25 +175,26 @@ def test_an_mtp_engine_compiles_no_extend_graph_it_would_never_run(checkpoint):
 
 def test_the_draft_step_is_saved_whole_and_a_later_engine_loads_it(checkpoint, tmp_path, fresh_dynamo, monkeypatch):
     """With a package key (the engine passes its decode step's), the draft step is saved whole: a later
-    drafter loads it and traces nothing, and its drafts, step after step, are the eager draft step's. A
+    drafter, of another `max_batch_size` (the key holds no pool size), loads it and traces nothing, and its
+    drafts, step after step, are the eager draft step's. A
     bucket's draft steps run its guards once (then inductor's code on the bound inputs, see
     `package.PackagedForward`)."""
     K = 2
     options = dict(device="cpu", buckets=(1, 2), compile_backend="inductor",
                    package_key=("a draft step saved whole", str(tmp_path)))
 
-    def drafter_engine(compiled: bool) -> Engine:
-        engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, max_model_len=96,
+    def drafter_engine(compiled: bool, max_batch_size: int) -> Engine:
+        engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=max_batch_size, max_model_len=96,
                                         speculative="mtp", num_speculative_tokens=K, progress=False)
         if compiled:
             engine.drafter.compile(options)
             engine.drafter.warm_up()
         return engine
 
-    first = drafter_engine(True).drafter.compiled
+    first = drafter_engine(True, 2).drafter.compiled
     assert first.packaged and not first.loaded and first.package_path.is_file()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    later, eager = drafter_engine(True), drafter_engine(False)
+    later, eager = drafter_engine(True, 5), drafter_engine(False, 5)
     assert later.drafter.compiled.loaded and later.drafter.compiled.package_path == first.package_path
     prompts = [random_prompt(9, seed=90), random_prompt(14, seed=91)]
     for engine in (later, eager):

@@ -132,6 +132,13 @@ class StatePool:
         for t in self.ring_checkpoints:  # [layers, checkpoints x ring, ...]
             _mark_size(t, 1, "pool checkpoint ring rows")
 
+    @staticmethod
+    def mark_slot_rows(t: torch.Tensor) -> torch.Tensor:
+        """A tensor kept beside the pool with one row per slot (the dummy's included) takes the pool's slot
+        symbol, so a compiled step that reads it still fits every `max_batch_size`."""
+        _mark_size(t, 0, "pool slots")
+        return t
+
     # ---- ownership ------------------------------------------------------------------------------
 
     def pages_needed(self, num_tokens: int) -> int:

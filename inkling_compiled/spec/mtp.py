@@ -85,7 +85,8 @@ class MtpDrafter(Drafter):
         self.capacity = self.pool.max_pages_per_seq * self.pool.page_size  # positions a slot's pages hold
         self.backends = [StepBackend(self.pool, config, max_batch_size=S, max_tokens=self.extend_chunk, device=device,
                                      draft_tokens=T - 1) for _ in range(self.depths)]
-        self.carries = [mark_static(torch.zeros(S + 1, config.hidden_size, dtype=dtype, device=device))
+        self.carries = [self.pool.mark_slot_rows(mark_static(torch.zeros(S + 1, config.hidden_size, dtype=dtype,
+                                                                          device=device)))
                         for _ in range(self.depths - 1)]
         self.inputs = DraftInputs(S, T, config.hidden_size, dtype, device)
         self.step = DraftStep(self.model, self.backends, self.carries)
