@@ -66,23 +66,33 @@ class VerifyOutput(msgspec.Struct):
     top_logprobs: torch.Tensor  # [B, K+1, n]
     hidden: torch.Tensor | None = None  # [B, K+1, H] final-normed hidden states, for drafters that read them
 
-    def to_host(self, top_n: int) -> tuple[list[int], StepOutput]:
-        """(accepted per row, the per-position outputs as a StepOutput over B*(K+1) rows on the host)."""
+    def to_host(self, top_n: int, one_copy: bool | None = None) -> tuple[list[int], StepOutput]:
+        """(accepted per row, the per-position outputs as a StepOutput over B*(K+1) rows on the host), in one
+        copy off the CPU (`StepOutput.to_host`)."""
         B, T_d = self.tokens.shape
         flat = StepOutput(torch.cat([self.tokens, self.accepted[:, None]], 1).reshape(-1),
                           torch.cat([self.chosen_logprobs, self.chosen_logprobs[:, :1]], 1).reshape(-1),
                           torch.cat([self.top_ids, self.top_ids[:, :1]], 1).reshape(B * (T_d + 1), -1),
                           torch.cat([self.top_logprobs, self.top_logprobs[:, :1]], 1).reshape(B * (T_d + 1), -1))
-        tokens, chosen, top_ids, top_vals = flat.to_host(top_n)  # one copy: accepted rides as a column
+        tokens, chosen, top_ids, top_vals = flat.to_host(top_n, one_copy)  # one copy: accepted rides as a column
         per_row = T_d + 1
         accepted = tokens[T_d::per_row]
         keep = [i for i in range(len(tokens)) if i % per_row != T_d]
         return accepted, StepOutput(*([seq[i] for i in keep] for seq in (tokens, chosen, top_ids, top_vals)))
 
     def sampled(self, top_n: int) -> Sampled:
-        """The host form the scheduler reads: each row's K+1 candidates and how many drafts it accepted."""
+        """The host form the scheduler reads: each row's K+1 candidates and how many drafts it accepted.
+        On the CPU each field is read in place, already in rows (no packing: each op of a step's host work
+        counts); off it, in one copy (`to_host`)."""
+        B, T_d = self.tokens.shape
+        if self.tokens.device.type == "cpu":
+            def tops(t: torch.Tensor) -> list:
+                return t[:, :, :top_n].tolist() if top_n else [[[] for _ in range(T_d)] for _ in range(B)]
+
+            return Sampled(tokens=self.tokens.tolist(), logprobs=self.chosen_logprobs.tolist(),
+                           top_ids=tops(self.top_ids), top_logprobs=tops(self.top_logprobs),
+                           accepted=self.accepted.tolist())
         accepted, flat = self.to_host(top_n)
-        T_d = self.tokens.shape[1]
 
         def rows(seq: list) -> list[list]:
             return [seq[i:i + T_d] for i in range(0, len(seq), T_d)]

@@ -313,6 +313,29 @@ def test_a_staged_step_moves_its_metadata_in_one_copy():
         assert all(base <= h.ctypes.data < end for h in region.host.values())
 
 
+def test_verify_outputs_come_back_in_rows_as_a_plain_loop_reads_them():
+    """A verify step's outputs on the host, read in place on the CPU (`sampled`) and packed in one copy as
+    off it (`to_host`), against a loop over the tensors' elements: each row's K+1 tokens, logprobs and
+    tops cut to n, and its accepted count."""
+    from inkling_compiled.runner import VerifyOutput
+
+    g = torch.Generator().manual_seed(1)
+    B, T = 3, 4
+    out = VerifyOutput(torch.randint(0, 2**40, (B, T), generator=g), torch.tensor([0, 3, 1]), torch.randn(B, T, generator=g),
+                       torch.randint(0, 5000, (B, T, 20), generator=g), torch.randn(B, T, 20, generator=g))
+    for n in (0, 1, 5):
+        rows = [[[out.top_ids[b, t, j].item() for j in range(n)] for t in range(T)] for b in range(B)]
+        vals = [[[out.top_logprobs[b, t, j].item() for j in range(n)] for t in range(T)] for b in range(B)]
+        got = out.sampled(n)
+        assert got.tokens == [[out.tokens[b, t].item() for t in range(T)] for b in range(B)]
+        assert got.logprobs == [[out.chosen_logprobs[b, t].item() for t in range(T)] for b in range(B)]
+        assert (got.top_ids, got.top_logprobs, got.accepted) == (rows, vals, [0, 3, 1])
+        accepted, flat = out.to_host(n, one_copy=True)
+        assert accepted == [0, 3, 1] and flat.tokens == [t for row in got.tokens for t in row]
+        assert flat.chosen_logprobs == [c for row in got.logprobs for c in row]
+        assert flat.top_ids == [t for row in rows for t in row] and flat.top_logprobs == [v for row in vals for v in row]
+
+
 def test_step_outputs_come_back_in_one_copy_and_exactly():
     """Token ids and logprobs packed into one float64 transfer survive it bit for bit, and off the CPU
     that transfer is the only copy (the meta device stands in for a GPU: it has no values to list)."""

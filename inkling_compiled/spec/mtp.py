@@ -232,13 +232,11 @@ class MtpDrafter(Drafter):
                 drafts, *carried = self.compiled.run(bucket, inputs=key)
             else:
                 drafts, *carried = draft_step(self.model, self.backends, prev, self.carries)
-        slot_ids = torch.tensor(slots, dtype=torch.long, device=prev.device)
+        slot_ids = torch.tensor(slots, device=prev.device)
         for carry, out in zip(self.carries, carried):
             carry.index_copy_(0, slot_ids, out[:B])
-        steps = torch.tensor(counts, dtype=torch.long, device=prev.device) - 1
-        torch.ops.inkling.commit_conv_windows(
-            each_layer(self.pool.conv.values()), self.pool.draft_windows(),
-            slot_ids.to(torch.int32), steps)
+        torch.ops.inkling.commit_conv_windows(each_layer(self.pool.conv.values()), self.pool.draft_windows(), slot_ids,
+                                              torch.tensor([n - 1 for n in counts], device=prev.device))
         for (track, known, n), row in zip(rows, drafts[:B].tolist()):
             self._advance(track, [d + n for d in track.done])
             track.drafted_at, track.drafts = len(known) - 1, row
