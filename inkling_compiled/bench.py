@@ -260,6 +260,8 @@ def _spec_rows(name: str, batch: int, prompts: list[list[int]], plain: Engine, e
            "plain": bench_engine(plain, prompts, new_tokens)}
     for kind, engine in engines.items():
         row[kind] = _spec_row(engine, prompts, new_tokens, row["plain"]["tok_s"])
+        row[kind]["bandwidth_bound"] = bandwidth_bound_speedup(engine, batch, K, row[kind]["tokens_per_step"],
+                                                               int(row["prompt_len"]) + new_tokens // 2)
     log(f"{name:>8} K={K} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
         f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x" for kind in engines))
     return row
@@ -280,6 +282,22 @@ def _spec_row(engine: Engine, prompts: list[list[int]], new_tokens: int, plain_t
                / max(after["row_steps"] - before["row_steps"], 1),
                speedup=row["tok_s"] / plain_tok_s)
     return row
+
+
+def bandwidth_bound_speedup(engine: Engine, batch: int, K: int, tokens_per_step: float, context: int) -> float:
+    """The speed-up over plain decoding that a speculative engine would reach if each of its steps and each
+    plain step read its bytes (`floor.step_cost`) at one rate: a verify step over K+1 tokens a row (the
+    experts those reach) plus the draft step (`floor.draft_bytes`, MTP only), against `tokens_per_step`
+    plain steps. Host work that a step costs whatever its bytes is left out, which plain decoding pays
+    once a token and speculation once a step, so a measured speed-up can pass it."""
+    from .floor import draft_bytes, step_cost
+    from .spec.mtp import MtpDrafter
+
+    model, pool = engine.model, engine.worker.pool
+    plain = step_cost(model, pool, batch, batch, context)["bytes"]
+    verify = step_cost(model, pool, batch * (K + 1), batch, context)["bytes"]
+    drafted = draft_bytes(model, K) if isinstance(engine.drafter, MtpDrafter) else 0.0
+    return tokens_per_step * plain / (verify + drafted)
 
 
 def held_out_prompts(path: str | Path) -> list[list[int]]:
@@ -318,19 +336,21 @@ def run_model_spec_bench(path: str | Path, batches: list[int], new_tokens: int, 
 
 def spec_table(results: dict) -> str:
     kinds = [k for k in results["runs"][0] if k not in ("config", "batch", "prompt_len", "plain")]
-    head = ["config", "batch", "K", "plain tok/s"] + [f"{k} {c}" for k in kinds for c in
-                                                       ("tok/s", "accepted by depth", "tokens/step", "speed-up")]
+    head = ["config", "batch", "K", "plain tok/s", "plain TTFT ms"] + [
+        f"{k} {c}" for k in kinds for c in ("tok/s", "TTFT ms", "accepted by depth", "tokens/step", "speed-up",
+                                            "bandwidth-bound speed-up")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def rate(a):
         return "n/a" if a is None else f"{a:.2f}"
 
     for row in results["runs"]:
-        cells = [row["config"], str(row["batch"]), str(results["num_speculative_tokens"]), f"{row['plain']['tok_s']:.1f}"]
+        cells = [row["config"], str(row["batch"]), str(results["num_speculative_tokens"]), f"{row['plain']['tok_s']:.1f}",
+                 f"{row['plain']['ttft_ms']:.1f}"]
         for k in kinds:
             r = row[k]
-            cells += [f"{r['tok_s']:.1f}", " / ".join(rate(a) for a in r["acceptance_by_depth"]),
-                      f"{r['tokens_per_step']:.2f}", f"{r['speedup']:.2f}x"]
+            cells += [f"{r['tok_s']:.1f}", f"{r['ttft_ms']:.1f}", " / ".join(rate(a) for a in r["acceptance_by_depth"]),
+                      f"{r['tokens_per_step']:.2f}", f"{r['speedup']:.2f}x", f"{r['bandwidth_bound']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

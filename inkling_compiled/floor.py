@@ -88,3 +88,13 @@ def step_cost(model, pool, tokens: int, rows: int, context: int) -> dict:
     kv_rows += sum(context * t[0].numel() * t.element_size() for t in each_layer(pool.global_kv))
     return {"bytes": weight_bytes + rows * (per_row_state + kv_rows), "flops": tokens * flops_per_token,
             "experts_reached": reached}
+
+
+def draft_bytes(model, depths: int) -> float:
+    """The weight bytes an MTP draft step of `depths` depths must read, whatever its rows: each depth's own
+    weights (its MLP is dense) and the lm_head once per depth (each depth's draft reads it). The head's
+    keys and conv windows (a few KB a row) are left out."""
+    head = model.model.mtp
+    own = sum(p.numel() * p.element_size() for layer in head.layers[:depths] for p in layer.parameters())
+    shared = sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
+    return own + depths * shared

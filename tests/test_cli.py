@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import re
 
 import pytest
@@ -61,6 +62,40 @@ def test_a_steps_floor_counts_its_tokens_weights_and_rows(checkpoint):
     assert three["bytes"] - one["bytes"] == pytest.approx(bank / E * (three["experts_reached"] - k) + 2 * embed_row)
     two_rows = step_cost(model, pool, 3, 2, 40)  # the same tokens over two rows: one more row's state
     assert two_rows["flops"] == three["flops"] and two_rows["bytes"] > three["bytes"]
+
+
+def test_a_draft_steps_bytes_and_the_bandwidth_bound_speedup(checkpoint):
+    """draft_bytes against the checkpoint file's own tensors (each depth's, and the lm_head once a depth);
+    the bandwidth-bound speed-up is tokens per step times a plain step's bytes over a verify step's plus
+    the draft step's (none for prompt lookup)."""
+    from safetensors import safe_open
+
+    from inkling_compiled.bench import bandwidth_bound_speedup
+    from inkling_compiled.engine import Engine
+    from inkling_compiled.floor import draft_bytes, step_cost
+
+    folder = checkpoint("tiny")
+    sizes = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            sizes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    fp32 = lambda name: 4 * math.prod(sizes[name])  # the engine holds the weights in fp32
+    for depths in (1, 2):
+        engine = Engine.from_pretrained(folder, compile=False, speculative="mtp", num_speculative_tokens=depths,
+                                        max_model_len=64, progress=False)
+        rows, width = sizes["lm_head.weight"]
+        lm_head = 4 * width * min(rows, engine.config.logits_vocab_size)  # the rows past the logits' vocab are not kept
+        own = sum(fp32(n) for n in sizes if any(n.startswith(f"model.mtp.layers.{i}.") for i in range(depths)))
+        assert draft_bytes(engine.model, depths) == own + depths * lm_head
+        model, pool = engine.model, engine.worker.pool
+        plain, verify = step_cost(model, pool, 2, 2, 40)["bytes"], step_cost(model, pool, 2 * (depths + 1), 2, 40)["bytes"]
+        assert bandwidth_bound_speedup(engine, 2, depths, 1.5, 40) == pytest.approx(
+            1.5 * plain / (verify + own + depths * lm_head))
+    lookup = Engine.from_pretrained(folder, compile=False, speculative="ngram", num_speculative_tokens=2,
+                                    max_model_len=64, progress=False)
+    model, pool = lookup.model, lookup.worker.pool
+    assert bandwidth_bound_speedup(lookup, 1, 2, 2.0, 40) == pytest.approx(
+        2.0 * step_cost(model, pool, 1, 1, 40)["bytes"] / step_cost(model, pool, 3, 1, 40)["bytes"])
 
 
 def one_error_line(err: str, needle: str) -> None:
