@@ -22,8 +22,10 @@ import torch
 
 from .engine import Engine
 from .errors import OptionError
+from .floor import draft_cost, measure_machine, step_cost
 from .sampling import SamplingParams
 from .spec import Drafter
+from .spec.mtp import MtpDrafter
 from .tiny import TINY_CONFIGS, build_tiny_checkpoint
 
 REPEATS = 3
@@ -97,8 +99,6 @@ def run_bench(configs: list[str], batches: list[int], prompt_len: int, new_token
     """Every engine (and transformers) at `threads` intra-op threads; each engine's step also as a
     fraction of the floor (roofline.py) measured in this run at the same count, the floor of its own
     weights' bytes (int8 ones with `quantizations`)."""
-    from .floor import measure_machine, step_cost
-
     machine = measure_machine(threads)
     torch.set_num_threads(threads)
     results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -233,6 +233,7 @@ def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tok
                "runs": []}
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     start_len = 16
+    rates = results["rates"] = measure_machine(1)
     with tempfile.TemporaryDirectory() as tmp:
         for name in configs:
             path = build_tiny_checkpoint(Path(tmp) / name, name, overrides=sliding_only(name))
@@ -249,19 +250,20 @@ def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tok
                 path, speculative=ReplayDrafter(replayed) if kind == "replay" else kind, num_speculative_tokens=K,
                 **common) for kind in drafters}
             for batch, prompts in workloads.items():
-                results["runs"].append(_spec_rows(name, batch, prompts, plain, engines, new_tokens, K, log))
+                results["runs"].append(_spec_rows(name, batch, prompts, plain, engines, new_tokens, K, rates, log))
     return results
 
 
 def _spec_rows(name: str, batch: int, prompts: list[list[int]], plain: Engine, engines: dict[str, Engine],
-               new_tokens: int, K: int, log) -> dict:
-    """One batch's row: the plain engine's run, then each speculative engine's (`_spec_row`) against it."""
+               new_tokens: int, K: int, rates: dict, log) -> dict:
+    """One batch's row: the plain engine's run, then each speculative engine's (`_spec_row`) against it, with
+    its roofline speed-up at the machine's `rates` (`floor.measure_machine`)."""
     row = {"config": name, "batch": batch, "prompt_len": sum(map(len, prompts)) / len(prompts),
            "plain": bench_engine(plain, prompts, new_tokens)}
     for kind, engine in engines.items():
         row[kind] = _spec_row(engine, prompts, new_tokens, row["plain"]["tok_s"])
-        row[kind]["bandwidth_bound"] = bandwidth_bound_speedup(engine, batch, K, row[kind]["tokens_per_step"],
-                                                               int(row["prompt_len"]) + new_tokens // 2)
+        row[kind]["roofline_speedup"] = roofline_speedup(engine, rates, batch, K, row[kind]["tokens_per_step"],
+                                                         int(row["prompt_len"]) + new_tokens // 2)
     log(f"{name:>8} K={K} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
         f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x" for kind in engines))
     return row
@@ -284,19 +286,19 @@ def _spec_row(engine: Engine, prompts: list[list[int]], new_tokens: int, plain_t
     return row
 
 
-def bandwidth_bound_speedup(engine: Engine, batch: int, K: int, tokens_per_step: float, context: int) -> float:
+def roofline_speedup(engine: Engine, rates: dict, batch: int, K: int, tokens_per_step: float, context: int) -> float:
     """The speed-up over plain decoding that a speculative engine would reach if each of its steps and each
-    plain step read its bytes (`floor.step_cost`) at one rate: a verify step over K+1 tokens a row (the
-    experts those reach) plus the draft step (`floor.draft_bytes`, MTP only), against `tokens_per_step`
-    plain steps. Host work that a step costs whatever its bytes is left out, which plain decoding pays
-    once a token and speculation once a step, so a measured speed-up can pass it."""
-    from .floor import draft_bytes, step_cost
-    from .spec.mtp import MtpDrafter
+    plain step ran at its floor (`floor.step_cost` and, for MTP, `floor.draft_cost` against the machine's
+    `rates`): a verify step over K+1 tokens a row (the experts those reach) plus the draft step, against
+    `tokens_per_step` plain steps. Host work, which costs a step the same whatever its tokens, is left out:
+    plain decoding pays it once a token and speculation once a step, so a measured speed-up can pass it."""
+    def floor(cost: dict) -> float:
+        return max(cost["bytes"] / (rates["bandwidth_gb_s"] * 1e9), cost["flops"] / (rates["matmul_gflop_s"] * 1e9))
 
-    model, pool = engine.model, engine.worker.pool
-    plain = step_cost(model, pool, batch, batch, context)["bytes"]
-    verify = step_cost(model, pool, batch * (K + 1), batch, context)["bytes"]
-    drafted = draft_bytes(model, K) if isinstance(engine.drafter, MtpDrafter) else 0.0
+    model, pool, drafter = engine.model, engine.worker.pool, engine.drafter
+    plain = floor(step_cost(model, pool, batch, batch, context))
+    verify = floor(step_cost(model, pool, batch * (K + 1), batch, context))
+    drafted = floor(draft_cost(model, K, batch, drafter.tokens_per_row)) if isinstance(drafter, MtpDrafter) else 0.0
     return tokens_per_step * plain / (verify + drafted)
 
 
@@ -318,6 +320,7 @@ def run_model_spec_bench(path: str | Path, batches: list[int], new_tokens: int, 
     results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
                "workload": f"held-out prompts of {path}", "new_tokens": new_tokens, "num_speculative_tokens": K,
                "runs": []}
+    rates = results["rates"] = measure_machine(1)
     common = dict(compile=True, max_batch_size=max(batches), buckets=tuple(sorted(set(batches))), prefix_cache=False,
                   max_model_len=max(map(len, prompts)) + new_tokens + K + 1, progress=False)
     plain = Engine.from_pretrained(path, **common)
@@ -328,7 +331,7 @@ def run_model_spec_bench(path: str | Path, batches: list[int], new_tokens: int, 
                for kind in drafters if kind != "mtp" or K <= depths}
     for batch in batches:
         work = [prompts[i % len(prompts)] for i in range(batch)]
-        results["runs"].append(_spec_rows(Path(path).name, batch, work, plain, engines, new_tokens, K, log))
+        results["runs"].append(_spec_rows(Path(path).name, batch, work, plain, engines, new_tokens, K, rates, log))
     for engine in (plain, *engines.values()):
         engine.close()
     return results
@@ -338,7 +341,7 @@ def spec_table(results: dict) -> str:
     kinds = [k for k in results["runs"][0] if k not in ("config", "batch", "prompt_len", "plain")]
     head = ["config", "batch", "K", "plain tok/s", "plain TTFT ms"] + [
         f"{k} {c}" for k in kinds for c in ("tok/s", "TTFT ms", "accepted by depth", "tokens/step", "speed-up",
-                                            "bandwidth-bound speed-up")]
+                                            "roofline speed-up")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def rate(a):
@@ -350,7 +353,7 @@ def spec_table(results: dict) -> str:
         for k in kinds:
             r = row[k]
             cells += [f"{r['tok_s']:.1f}", f"{r['ttft_ms']:.1f}", " / ".join(rate(a) for a in r["acceptance_by_depth"]),
-                      f"{r['tokens_per_step']:.2f}", f"{r['speedup']:.2f}x", f"{r['bandwidth_bound']:.2f}x"]
+                      f"{r['tokens_per_step']:.2f}", f"{r['speedup']:.2f}x", f"{r['roofline_speedup']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -64,38 +64,45 @@ def test_a_steps_floor_counts_its_tokens_weights_and_rows(checkpoint):
     assert two_rows["flops"] == three["flops"] and two_rows["bytes"] > three["bytes"]
 
 
-def test_a_draft_steps_bytes_and_the_bandwidth_bound_speedup(checkpoint):
-    """draft_bytes against the checkpoint file's own tensors (each depth's, and the lm_head once a depth);
-    the bandwidth-bound speed-up is tokens per step times a plain step's bytes over a verify step's plus
-    the draft step's (none for prompt lookup)."""
+def test_a_draft_steps_cost_and_the_roofline_speedup(checkpoint):
+    """draft_cost against the checkpoint file's own tensors: each depth's read once and multiplied over
+    every token, the lm_head read once a depth and multiplied over one token a row. The roofline speed-up is
+    tokens per step times a plain step's floor over a verify step's plus the draft step's (none for prompt
+    lookup); rates set so that bytes bound one step kind and FLOPs another."""
     from safetensors import safe_open
 
-    from inkling_compiled.bench import bandwidth_bound_speedup
+    from inkling_compiled.bench import roofline_speedup
     from inkling_compiled.engine import Engine
-    from inkling_compiled.floor import draft_bytes, step_cost
+    from inkling_compiled.floor import draft_cost, step_cost
 
     folder = checkpoint("tiny")
-    sizes = {}
+    shapes = {}
     for file in folder.glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
-            sizes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
-    fp32 = lambda name: 4 * math.prod(sizes[name])  # the engine holds the weights in fp32
+            shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    rates = {"bandwidth_gb_s": 10.0, "matmul_gflop_s": 12.0}  # 1.2 FLOPs a byte: between decode's and verify's
+    floor = lambda c: max(c["bytes"] / 10e9, c["flops"] / 12e9)
     for depths in (1, 2):
         engine = Engine.from_pretrained(folder, compile=False, speculative="mtp", num_speculative_tokens=depths,
                                         max_model_len=64, progress=False)
-        rows, width = sizes["lm_head.weight"]
-        lm_head = 4 * width * min(rows, engine.config.logits_vocab_size)  # the rows past the logits' vocab are not kept
-        own = sum(fp32(n) for n in sizes if any(n.startswith(f"model.mtp.layers.{i}.") for i in range(depths)))
-        assert draft_bytes(engine.model, depths) == own + depths * lm_head
+        rows, width = shapes["lm_head.weight"]
+        lm_head = width * min(rows, engine.config.logits_vocab_size)  # the rows past the logits' vocab are not kept
+        own = [shape for n, shape in shapes.items() if any(n.startswith(f"model.mtp.layers.{i}.") for i in range(depths))]
+        matrices = sum(math.prod(shape) for shape in own if len(shape) >= 2)
+        T = engine.drafter.tokens_per_row
+        cost = draft_cost(engine.model, depths, 3, T)
+        assert cost["bytes"] == 4 * (sum(math.prod(shape) for shape in own) + depths * lm_head)  # fp32 in the engine
+        assert cost["flops"] == 2 * 3 * (T * matrices + depths * lm_head)
         model, pool = engine.model, engine.worker.pool
-        plain, verify = step_cost(model, pool, 2, 2, 40)["bytes"], step_cost(model, pool, 2 * (depths + 1), 2, 40)["bytes"]
-        assert bandwidth_bound_speedup(engine, 2, depths, 1.5, 40) == pytest.approx(
-            1.5 * plain / (verify + own + depths * lm_head))
+        plain, verify = step_cost(model, pool, 2, 2, 40), step_cost(model, pool, 2 * (depths + 1), 2, 40)
+        assert floor(plain) == plain["bytes"] / 10e9 and floor(verify) == verify["flops"] / 12e9
+        assert roofline_speedup(engine, rates, 2, depths, 1.5, 40) == pytest.approx(
+            1.5 * floor(plain) / (floor(verify) + floor(draft_cost(model, depths, 2, T))))
     lookup = Engine.from_pretrained(folder, compile=False, speculative="ngram", num_speculative_tokens=2,
                                     max_model_len=64, progress=False)
     model, pool = lookup.model, lookup.worker.pool
-    assert bandwidth_bound_speedup(lookup, 1, 2, 2.0, 40) == pytest.approx(
-        2.0 * step_cost(model, pool, 1, 1, 40)["bytes"] / step_cost(model, pool, 3, 1, 40)["bytes"])
+    assert roofline_speedup(lookup, rates, 1, 2, 2.0, 40) == pytest.approx(
+        2.0 * floor(step_cost(model, pool, 1, 1, 40)) / floor(step_cost(model, pool, 3, 1, 40)))
 
 
 def one_error_line(err: str, needle: str) -> None:
