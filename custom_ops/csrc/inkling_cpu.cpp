@@ -205,24 +205,29 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
   const int64_t v0 = windows.stride(0), v1 = windows.stride(1), v2 = windows.stride(2);
-  // Rows are independent: split over the intra-op pool by rows.
+  thread_local std::vector<float> by_position;  // kept with the thread: a verify step allocates nothing here
+  const float* taps = taps_by_position(wp, D, K, by_position);
+  // Rows are independent: split over the intra-op pool by rows. Each token's terms are summed along
+  // channels (vectorised) in sconv_decode's order, reading the slot's window and the row's tokens where
+  // they lie.
   at::parallel_for(0, B, task_grain(T * D * K), [&](int64_t b0, int64_t b1) {
-    std::vector<float> seq((H + T) * D);  // the slot's window, then the row's tokens
     for (int64_t b = b0; b < b1; ++b) {
       const float* win = sp + ip[b] * s0;
-      for (int64_t j = 0; j < H; ++j) std::memcpy(&seq[j * D], win + j * s1, D * sizeof(float));
-      std::memcpy(&seq[H * D], xp + b * T * D, T * D * sizeof(float));
+      const float* xb = xp + b * T * D;
+      // The input at token src of the row: its own for src >= 0, else the slot's window (H rows before).
+      auto input = [&](int64_t src) -> const float* { return src >= 0 ? xb + src * D : win + (H + src) * s1; };
       for (int64_t t = 0; t < T; ++t) {
-        for (int64_t d = 0; d < D; ++d) {
-          const float* wd = wp + d * K;
-          float acc = seq[(H + t) * D + d] * wd[K - 1];
-          for (int64_t back = 1; back < K; ++back) {
-            const float prod = seq[(H + t - back) * D + d] * wd[K - 1 - back];
-            acc = acc + prod;
-          }
-          yp[(b * T + t) * D + d] = acc;
+        const float* __restrict xt = xb + t * D;
+        const float* __restrict last = taps + (K - 1) * D;
+        float* __restrict yt = yp + (b * T + t) * D;
+        for (int64_t d = 0; d < D; ++d) yt[d] = xt[d] * last[d];
+        for (int64_t back = 1; back < K; ++back) {
+          const float* __restrict held = input(t - back);
+          const float* __restrict tap = taps + (K - 1 - back) * D;
+          for (int64_t d = 0; d < D; ++d) yt[d] = yt[d] + held[d] * tap[d];
         }
-        for (int64_t j = 0; j < H; ++j) std::memcpy(vp + b * v0 + t * v1 + j * v2, &seq[(t + 1 + j) * D], D * sizeof(float));
+        for (int64_t j = 0; j < H; ++j)
+          std::memcpy(vp + b * v0 + t * v1 + j * v2, input(t + 1 + j - H), D * sizeof(float));
       }
     }
   });
