@@ -388,6 +388,10 @@ def _profile(args: argparse.Namespace) -> int:
     summary = profile(engine, out, batch=args.batch, steps=args.steps)
     print(f"wrote {out}/trace.json (open in https://ui.perfetto.dev or chrome://tracing)")
     print("per layer (us):", {k: round(v) for k, v in summary["per_layer_us"].items()})
+    for kind, key in (("verify", "verify_per_layer_us"), ("draft", "draft_per_depth_us")):
+        if key in summary:
+            print(f"{kind} per {'depth' if kind == 'draft' else 'layer'} (us):",
+                  {k: round(v) for k, v in summary[key].items()})
     print("per conv stream (us):", {k: round(v) for k, v in summary["per_stream_us"].items()})
     print("prep vs compute (us):", {k: round(v) for k, v in summary["phases_us"].items()})
     print(f"wrote {out}/summary.png" if summary["png"] else "no summary.png: matplotlib is not installed")

@@ -20,6 +20,12 @@ _enabled = os.environ.get("INKLING_NVTX", "0") == "1"
 _profiling = False
 DOMAIN = "inkling"
 
+# The ranges around compiled replays, each followed by its bucket and rows: `profile` finds a replay's op
+# events by these names and labels them from the census of that step's graph.
+DECODE_REPLAY = "replay bucket"
+VERIFY_REPLAY = "verify replay bucket"
+DRAFT_REPLAY = "draft replay bucket"
+
 
 def enabled() -> bool:
     return _enabled

@@ -16,15 +16,25 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict, deque
 from pathlib import Path
 
 import torch
 
-from .nvtx import DOMAIN, nvtx_range, profile_ranges
+from .nvtx import DECODE_REPLAY, DOMAIN, DRAFT_REPLAY, VERIFY_REPLAY, nvtx_range, profile_ranges
 
-REPLAY = "replay bucket"
-PREPARE = "prepare decode"
+# Each step kind a workload runs: the range a compiled replay of it opens (`nvtx.py`), the range of an
+# eager step of it, and the range of its metadata prep. Its per-layer times and its compute phase count
+# the events inside its own ranges.
+STEP_KINDS = {
+    "decode": (DECODE_REPLAY, "decode ", "prepare decode"),
+    "verify": (VERIFY_REPLAY, "verify ", "prepare verify"),
+    "draft": (DRAFT_REPLAY, "draft ", "prepare draft"),
+}
+# summary.json's names: the decode step's keep the names they had before verify and draft steps were
+# counted ("prepare", "decode compute", "per_layer_us").
+PREP_PHASE = {"decode": "prepare", "verify": "prepare verify", "draft": "prepare draft"}
+PER_LAYER = {"decode": "per_layer_us", "verify": "verify_per_layer_us", "draft": "draft_per_depth_us"}
 
 
 def run_workload(engine, batch: int, steps: int, prompt_len: int = 32) -> None:
@@ -42,69 +52,125 @@ def run_workload(engine, batch: int, steps: int, prompt_len: int = 32) -> None:
         engine.step()
 
 
-def census_labels(engine, bucket: int) -> list[tuple[str, int | None, str | None]]:
-    """(op, layer, stream) of each custom-op call of the bucket's decode graph, in graph order."""
+def _traced_census(step, prepare_padding, device, bucket: int) -> list[tuple[str, int | None, str | None]]:
+    """(op, layer, stream) of each custom-op call of `step`'s graph at `bucket`, in graph order: a second,
+    eager-backend trace of a step built over the engine's own model and buffers (cheap, and it leaves the
+    engine's graphs alone)."""
     from .graphs import CompiledStep, GraphRecorder, census
-    from .runner import DecodeStep
 
-    # A second, eager-backend trace of the same step: cheap, and it leaves the engine's graphs alone.
     recorder = GraphRecorder("eager")
-    probe = CompiledStep(DecodeStep(engine.model, engine.worker.backend), engine.worker.backend.prepare_padding,
-                            device=engine.device, buckets=(bucket,), compile_backend=recorder)
-    probe.warm_bucket(bucket)
+    CompiledStep(step, prepare_padding, device=device, buckets=(bucket,), compile_backend=recorder).warm_bucket(bucket)
     return [(c["op"], c["layer"], c["stream"]) for c in census(recorder.graphs[0])["custom_calls"]]
 
 
-def label_trace(events: list[dict], labels: list[tuple[str, int | None, str | None]]) -> list[dict]:
-    """Names each replay's inkling:: op events after the census; adds synthetic per-layer spans."""
-    replays = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(REPLAY)]
+def _bucket(step, batch: int) -> int:
+    """The bucket a batch of `batch` rows replays (the largest, for a batch run in chunks)."""
+    return step.bucket_for(min(batch, step.buckets[-1]))
+
+
+def census_labels(engine, batch: int) -> dict[str, list[tuple[str, int | None, str | None]]]:
+    """For each compiled step kind the engine replays (decode, verify, the MTP draft step), the
+    (op, layer, stream) of each custom-op call of its graph at the bucket serving `batch` rows."""
+    from .runner import DecodeStep, VerifyStep
+
+    worker, labels = engine.worker, {}
+    backend = worker.backend
+    if worker.decoder is not None:
+        labels["decode"] = _traced_census(DecodeStep(engine.model, backend), backend.prepare_padding, engine.device,
+                                          _bucket(worker.decoder, batch))
+    if worker.verifier is not None:
+        labels["verify"] = _traced_census(VerifyStep(engine.model, backend, worker.runner.with_hidden),
+                                          backend.prepare_verify_padding, engine.device,
+                                          _bucket(worker.verifier, batch))
+    drafter = engine.drafter
+    if getattr(drafter, "compiled", None) is not None:
+        labels["draft"] = _traced_census(*drafter.probe_step(), engine.device, _bucket(drafter.compiled, batch))
+    return labels
+
+
+def label_trace(events: list[dict], labels: dict[str, list[tuple[str, int | None, str | None]]]) -> list[dict]:
+    """Names each replay's inkling:: op events after its step kind's census (`[layer L stream]`; a draft
+    step's layers are its depths, `[depth L stream]`) and adds a synthetic `layer L` span per layer."""
     ops = sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("inkling::")),
                  key=lambda e: e["ts"])
     added = []
-    for replay in replays:
-        start, end = replay["ts"], replay["ts"] + replay["dur"]
-        inside = [e for e in ops if start <= e["ts"] <= end and e.get("tid") == replay.get("tid")]
-        spans: dict[int, list[float]] = {}
-        for event, (op, layer, stream) in zip(inside, labels):
-            if event["name"] != op:
-                break  # order diverged: leave the rest unlabelled rather than mislabel it
-            if layer is None:
-                continue
-            event["name"] = f"{op} [layer {layer}{' ' + stream if stream else ''}]"
-            lo, hi = spans.get(layer, [event["ts"], event["ts"] + event["dur"]])
-            spans[layer] = [min(lo, event["ts"]), max(hi, event["ts"] + event["dur"])]
-        for layer, (lo, hi) in sorted(spans.items()):
-            added.append({"ph": "X", "name": f"layer {layer}", "ts": lo, "dur": hi - lo, "pid": replay.get("pid"),
-                          "tid": replay.get("tid"), "cat": "inkling", "args": {"synthetic": True}})
+    for kind, kind_labels in labels.items():
+        where = "depth" if kind == "draft" else "layer"
+        prefix = STEP_KINDS[kind][0]
+        for replay in (e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)):
+            start, end = replay["ts"], replay["ts"] + replay["dur"]
+            inside = [e for e in ops if start <= e["ts"] <= end and e.get("tid") == replay.get("tid")]
+            # Inductor reorders a layer's independent calls (a projection and its conv before the next
+            # projection), so the n-th call of an op is matched to the census's n-th call of that op: each
+            # layer's calls depend on the layer before, which keeps the layers in order.
+            queues: dict[str, deque] = defaultdict(deque)
+            for op, layer, stream in kind_labels:
+                queues[op].append((layer, stream))
+            if Counter(e["name"] for e in inside) != Counter({op: len(q) for op, q in queues.items()}):
+                continue  # not this graph's calls (a partial replay, a foreign op): label nothing
+            # Within a layer the conv streams may swap too: the CPU conv kernels name their own stream.
+            kernels = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("sconv ")
+                       and start <= e["ts"] <= end and e.get("tid") == replay.get("tid")]
+            spans: dict[int, list[float]] = {}
+            for event in inside:
+                op = event["name"]
+                layer, stream = queues[op].popleft()
+                if layer is None:
+                    continue
+                own = next((k["name"].split()[1] for k in kernels
+                            if event["ts"] <= k["ts"] <= event["ts"] + event["dur"]), None)
+                stream = own or stream
+                event["name"] = f"{op} [{where} {layer}{' ' + stream if stream else ''}]"
+                lo, hi = spans.get(layer, [event["ts"], event["ts"] + event["dur"]])
+                spans[layer] = [min(lo, event["ts"]), max(hi, event["ts"] + event["dur"])]
+            for layer, (lo, hi) in sorted(spans.items()):
+                added.append({"ph": "X", "name": f"layer {layer}", "ts": lo, "dur": hi - lo, "pid": replay.get("pid"),
+                              "tid": replay.get("tid"), "cat": "inkling", "args": {"synthetic": True}})
     return events + added
 
 
+def _step_kind(name: str) -> str | None:
+    """The step kind whose forward a range is (a compiled replay, or an eager step's range), or None."""
+    for kind, (replay, eager, _) in STEP_KINDS.items():
+        if name.startswith(replay) or (name.startswith(eager) and name.endswith("(eager)")):
+            return kind
+    return None
+
+
 def summarize(events: list[dict]) -> dict:
-    """Total microseconds per layer, per conv stream, and prep vs replay/forward, inside the measured
-    `profile` range (the decode steps; prefill and warm-up are outside it)."""
-    per_layer: dict[str, float] = defaultdict(float)
+    """Total microseconds per layer of each step kind (a `layer L` range counts toward the step whose
+    forward holds it), per conv stream, and prep vs compute per step kind, inside the measured `profile`
+    range (the decode, verify and draft steps; prefill and warm-up are outside it)."""
+    per_layer: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     per_stream: dict[str, float] = defaultdict(float)
     phases: dict[str, float] = defaultdict(float)
     window = next((e for e in events if e.get("ph") == "X" and e.get("name") == "profile"), None)
     lo, hi = (window["ts"], window["ts"] + window["dur"]) if window else (float("-inf"), float("inf"))
+    measured = [e for e in events if e.get("ph") == "X" and lo <= e.get("ts", lo) <= hi]
+    forwards = [(e, kind) for e in measured if (kind := _step_kind(str(e.get("name", "")))) is not None]
+    prep = {prep: kind for kind, (_, _, prep) in STEP_KINDS.items()}
     kernel_ranges = any(str(e.get("name", "")).startswith("sconv ") for e in events)
-    for e in events:
-        if e.get("ph") != "X" or not lo <= e.get("ts", lo) <= hi:
-            continue
+    for e in measured:
         name = str(e.get("name", ""))
         if name.startswith("layer ") and name.split()[1].isdigit() and len(name.split()) == 2:
-            per_layer[name] += e["dur"]
+            kind = next((k for f, k in forwards if f.get("tid") == e.get("tid")
+                         and f["ts"] <= e["ts"] <= f["ts"] + f["dur"]), None)
+            if kind is not None:
+                per_layer[kind][name] += e["dur"]
         if kernel_ranges and name.startswith("sconv "):  # "sconv S @ layer L", recorded by the CPU kernels
             per_stream[name.split()[1]] += e["dur"]
-        elif not kernel_ranges and name.startswith("inkling::sconv") and "[layer" in name:
+        elif not kernel_ranges and name.startswith("inkling::sconv") and "[" in name:
             per_stream[name.rstrip("]").rsplit(" ", 1)[-1]] += e["dur"]
-        if name.startswith(PREPARE):
-            phases["prepare"] += e["dur"]
-        elif name.startswith(REPLAY) or name.startswith("decode "):
-            phases["decode compute"] += e["dur"]
-    key = lambda kv: int(kv[0].split()[1])  # noqa: E731
-    return {"per_layer_us": dict(sorted(per_layer.items(), key=key)), "per_stream_us": dict(per_stream),
-            "phases_us": dict(phases)}
+        if name in prep:
+            phases[PREP_PHASE[prep[name]]] += e["dur"]
+    for e, kind in forwards:
+        phases[f"{kind} compute"] += e["dur"]
+    def ordered(kind: str) -> dict[str, float]:  # a draft step's layers are its depths
+        rows = sorted(per_layer[kind].items(), key=lambda kv: int(kv[0].split()[1]))
+        return {(name.replace("layer", "depth") if kind == "draft" else name): us for name, us in rows}
+
+    summary = {PER_LAYER[kind]: ordered(kind) for kind in STEP_KINDS if kind == "decode" or per_layer[kind]}
+    return {**summary, "per_stream_us": dict(per_stream), "phases_us": dict(phases)}
 
 
 def plot_summary(summary: dict, path: Path) -> bool:
@@ -115,10 +181,11 @@ def plot_summary(summary: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, (title, data) in zip(axes, (("time per layer (us)", summary["per_layer_us"]),
-                                        ("conv time per stream (us)", summary["per_stream_us"]),
-                                        ("prep vs compute (us)", summary["phases_us"]))):
+    panels = [(f"{kind} time per {'depth' if kind == 'draft' else 'layer'} (us)", summary[key])
+              for kind, key in PER_LAYER.items() if key in summary]
+    panels += [("conv time per stream (us)", summary["per_stream_us"]), ("prep vs compute (us)", summary["phases_us"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    for ax, (title, data) in zip(axes, panels):
         ax.bar(list(data), list(data.values()))
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=45)
@@ -142,7 +209,7 @@ def profile(engine, out: Path, *, batch: int, steps: int) -> dict:
     from torch.profiler import profile as torch_profile
 
     out.mkdir(parents=True, exist_ok=True)
-    labels = census_labels(engine, engine.worker.decoder.bucket_for(batch)) if engine.worker.decoder is not None else []
+    labels = census_labels(engine, batch)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     profile_ranges(True)
     try:

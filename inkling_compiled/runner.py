@@ -15,7 +15,7 @@ from .cache.pool import each_layer
 from .graphs.capture import INSTANCE_SOURCE
 from .metadata import StepMetadata, check_verify_shapes
 from .model import InklingForCausalLM
-from .nvtx import nvtx_range
+from .nvtx import DECODE_REPLAY, VERIFY_REPLAY, nvtx_range
 from .sampling import MAX_TOP_LOGPROBS, sample, verify_drafts
 from .step_plan import PromptScores, Sampled, StepKind, StepPlan
 
@@ -280,14 +280,14 @@ class Runner:
 
     @staticmethod
     def _range_name(plan: StepPlan, compiled: bool) -> str:
-        """The NVTX range of the forward (`profile.py` finds decode replays by theirs)."""
+        """The NVTX range of the forward (`profile.py` finds decode and verify replays by theirs)."""
         if plan.kind is StepKind.EXTEND:
             tokens = sum(len(t) for t in plan.tokens)
             return f"prefill {plan.rows} rows, {tokens} tokens" + ("" if compiled else " (eager)")
         if not compiled:
             return f"{plan.kind.value} {plan.rows} rows (eager)"
-        prefix = "replay" if plan.kind is StepKind.DECODE else "verify replay"
-        return f"{prefix} bucket {plan.bucket} ({plan.rows} rows)"
+        prefix = DECODE_REPLAY if plan.kind is StepKind.DECODE else VERIFY_REPLAY
+        return f"{prefix} {plan.bucket} ({plan.rows} rows)"
 
     def prepare(self, plan: StepPlan) -> None:
         """The step buffers filled from the plan (and the metadata pointed at them)."""

@@ -154,6 +154,76 @@ def test_profile_writes_a_trace_with_layer_ranges(checkpoint, tmp_path, capsys):
     assert "--capture-range=nvtx --nvtx-capture=profile@inkling" in capsys.readouterr().out
 
 
+def test_profile_labels_verify_and_draft_replays_from_their_own_census(checkpoint, tmp_path):
+    """Under MTP speculation every step verifies and drafts: each verify replay's conv ops are labelled
+    by target layer and stream (all 4 streams of every layer, in layer order), each draft replay's by
+    depth, and the summary gives both kinds their prep, compute and per-layer (per-depth) times."""
+    K = 2
+    out = tmp_path / "prof"
+    assert main(["profile", "--model", str(checkpoint("tiny")), "--out", str(out), "--compile-backend", "eager",
+                 "--batch", "2", "--steps", "3", "--buckets", "2", "--speculative", "mtp",
+                 "--num-speculative-tokens", str(K)]) == 0
+    layers = Engine.from_pretrained(checkpoint("tiny"), compile=False, progress=False).config.num_hidden_layers
+    events = [e for e in json.loads((out / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+
+    def conv_labels(prefix):
+        replays = [e for e in events if e["name"].startswith(prefix)]
+        assert replays, prefix
+        for replay in replays:
+            yield [e["name"].split("[", 1)[1].rstrip("]").split() for e in events
+                   if e["name"].startswith("inkling::sconv_verify [") and e.get("tid") == replay.get("tid")
+                   and replay["ts"] <= e["ts"] <= replay["ts"] + replay["dur"]]
+
+    streams = {"k", "v", "attn", "mlp"}
+    for labels in conv_labels("verify replay bucket 2"):
+        assert [(w, int(n)) for w, n, _ in labels] == sorted((w, int(n)) for w, n, _ in labels)
+        assert sorted((w, int(n), s) for w, n, s in labels) == sorted(
+            ("layer", n, s) for n in range(layers) for s in streams)
+    for labels in conv_labels("draft replay bucket 2"):
+        assert sorted((w, int(n), s) for w, n, s in labels) == sorted(
+            ("depth", d, s) for d in range(K) for s in streams)
+    summary = json.loads((out / "summary.json").read_text())
+    for kind in ("verify", "draft"):
+        assert summary["phases_us"][f"prepare {kind}"] > 0 and summary["phases_us"][f"{kind} compute"] > 0
+    assert list(summary["verify_per_layer_us"]) == [f"layer {n}" for n in range(layers)]
+    assert list(summary["draft_per_depth_us"]) == [f"depth {d}" for d in range(K)]
+    assert all(v > 0 for v in (*summary["verify_per_layer_us"].values(), *summary["draft_per_depth_us"].values()))
+
+
+def test_profile_labels_a_replay_whose_calls_inductor_reordered():
+    """Inductor runs a layer's k projection and k conv before the v projection (the census, traced with
+    the eager backend, has both projections first), and may swap two convs of a layer: each call is still
+    labelled with its own layer, a conv with the stream its kernel names, the lm_head left unlabelled, and
+    a replay whose calls are not the graph's (one missing) is left alone rather than mislabelled. (Before,
+    labels were matched call by call in graph order: an inductor replay lost all but its first label.)"""
+    from inkling_compiled.profile import label_trace
+
+    census = [("inkling::linear", 0, None), ("inkling::linear", 0, None), ("inkling::sconv_decode", 0, "k"),
+              ("inkling::sconv_decode", 0, "v"), ("inkling::linear", 1, None), ("inkling::sconv_decode", 1, "k"),
+              ("inkling::linear", None, None)]
+    replayed = ["inkling::linear", "inkling::sconv_decode", "inkling::linear", "inkling::sconv_decode",
+                "inkling::linear", "inkling::sconv_decode", "inkling::linear"]
+    kernel_streams = {1: "v", 3: "k", 5: "k"}  # layer 0's convs ran v first
+
+    def replay(t0, calls):
+        events = [{"ph": "X", "name": "replay bucket 2 (2 rows)", "ts": t0, "dur": 100, "tid": 1}]
+        for i, name in enumerate(calls):
+            events.append({"ph": "X", "name": name, "ts": t0 + 10 * i + 1, "dur": 8, "tid": 1})
+            if i in kernel_streams:
+                events.append({"ph": "X", "name": f"sconv {kernel_streams[i]} @ layer {int(i > 3)}",
+                               "ts": t0 + 10 * i + 2, "dur": 5, "tid": 1})
+        return events
+
+    events = label_trace(replay(0, replayed) + replay(1000, replayed[:-1]), {"decode": census})
+    named = [e["name"] for e in events if e["name"].startswith("inkling::")]
+    assert named[:7] == ["inkling::linear [layer 0]", "inkling::sconv_decode [layer 0 v]", "inkling::linear [layer 0]",
+                         "inkling::sconv_decode [layer 0 k]", "inkling::linear [layer 1]",
+                         "inkling::sconv_decode [layer 1 k]", "inkling::linear"]
+    assert named[7:] == replayed[:-1]
+    spans = [(e["name"], e["ts"], e["dur"]) for e in events if e.get("args", {}).get("synthetic")]
+    assert spans == [("layer 0", 1, 38), ("layer 1", 41, 18)]
+
+
 def test_prep_singleton_allocates_nothing_per_step(checkpoint, capsys):
     assert bench_prep.main(["--config", "tiny", "--batch", "4", "--steps", "20"]) == 0
     out = capsys.readouterr().out

@@ -30,6 +30,7 @@ from ..errors import OptionError
 from ..graphs import Buckets, CompiledStep, InputsKeys
 from ..metadata import GREEDY_PAD
 from ..model import MtpHead
+from ..nvtx import DRAFT_REPLAY, nvtx_range
 from ..static import mark_static
 from .drafter import Drafter
 from .mtp_step import DraftInputs, DraftStep, clear_slot, draft_step, head_pool
@@ -110,6 +111,17 @@ class MtpDrafter(Drafter):
         compiled.on_unpackage = lambda: self._mark(compiled.symbolic_batch)
         self.pinned = pinned or contextlib.nullcontext
         return compiled
+
+    def probe_step(self) -> tuple[DraftStep, Callable[[int], None]]:
+        """A second draft step over the same model, backends and buffers, and its padding prep: what a
+        tool traces with a backend of its own (`profile`'s census) while the compiled step stays as it is."""
+        step = DraftStep(self.model, self.backends, self.carries)
+
+        def prepare_padding(rows: int) -> None:
+            self._prepare_padding(rows)
+            step.prev = self.step.prev
+
+        return step, prepare_padding
 
     def _mark(self, batch: range | None) -> None:
         """The draft step's slices marked for tracing over `batch` (None: unmarked, for a loaded package)."""
@@ -218,20 +230,23 @@ class MtpDrafter(Drafter):
         slots = [track.slot for track, _, _ in rows]
         counts = [n for _, _, n in rows]
         tokens = [known[len(known) - n:] + [0] * (T - n) for _, known, n in rows]  # the n emitted tokens
-        for i, backend in enumerate(self.backends):
-            backend.prepare_verify(tokens, slots, [track.done[i] for track, _, _ in rows], [self.capacity] * B,
-                                   counts, [GREEDY_PAD] * B, pad_to=bucket)
-        prev = self.inputs.view(bucket)
-        index = torch.tensor([r * T + j for r, n in enumerate(counts) for j in range(n)], device=prev.device)
-        prev.index_copy_(0, index, torch.stack([track.hidden[track.done[0] + j] for track, _, n in rows
-                                                for j in range(n)]))
-        self.step.prev = prev
+        with nvtx_range("prepare draft"):
+            for i, backend in enumerate(self.backends):
+                backend.prepare_verify(tokens, slots, [track.done[i] for track, _, _ in rows], [self.capacity] * B,
+                                       counts, [GREEDY_PAD] * B, pad_to=bucket)
+            prev = self.inputs.view(bucket)
+            index = torch.tensor([r * T + j for r, n in enumerate(counts) for j in range(n)], device=prev.device)
+            prev.index_copy_(0, index, torch.stack([track.hidden[track.done[0] + j] for track, _, n in rows
+                                                    for j in range(n)]))
+            self.step.prev = prev
         with self.pinned():
             if self.compiled is not None:
                 key = self.inputs_key(bucket, prev, *(backend.buffers.published for backend in self.backends))
-                drafts, *carried = self.compiled.run(bucket, inputs=key)
+                with nvtx_range(f"{DRAFT_REPLAY} {bucket} ({B} rows)"):  # `profile` labels its ops by this name
+                    drafts, *carried = self.compiled.run(bucket, inputs=key)
             else:
-                drafts, *carried = draft_step(self.model, self.backends, prev, self.carries)
+                with nvtx_range(f"draft {B} rows (eager)"):
+                    drafts, *carried = draft_step(self.model, self.backends, prev, self.carries)
         slot_ids = torch.tensor(slots, device=prev.device)
         for carry, out in zip(self.carries, carried):
             carry.index_copy_(0, slot_ids, out[:B])
