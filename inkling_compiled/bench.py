@@ -223,17 +223,17 @@ def copy_prompts(engine: Engine, starts: list[list[int]], overlap: int, new_toke
 
 
 def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tokens: int, drafters: list[str],
-                   K: int, log=print) -> dict:
+                   K: int, threads: int = 1, rounds: int = 1, log=print) -> dict:
     """Compiled speculative decoding with each drafter against compiled plain decoding on the copy workload
     (`copy_prompts`, every layer made sliding): decode tokens/s, the acceptance rate and tokens per
-    request-step of the timed runs, and the speed-up."""
-    torch.set_num_threads(1)
-    results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
+    request-step of the timed runs, and the speed-up, at `threads` intra-op threads."""
+    torch.set_num_threads(threads)
+    results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": threads,
                "workload": "copy", "overlap": overlap, "new_tokens": new_tokens, "num_speculative_tokens": K,
-               "runs": []}
+               "rounds": rounds, "runs": []}
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     start_len = 16
-    rates = results["rates"] = measure_machine(1)
+    rates = results["rates"] = measure_machine(threads)
     with tempfile.TemporaryDirectory() as tmp:
         for name in configs:
             path = build_tiny_checkpoint(Path(tmp) / name, name, overrides=sliding_only(name))
@@ -250,23 +250,38 @@ def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tok
                 path, speculative=ReplayDrafter(replayed) if kind == "replay" else kind, num_speculative_tokens=K,
                 **common) for kind in drafters}
             for batch, prompts in workloads.items():
-                results["runs"].append(_spec_rows(name, batch, prompts, plain, engines, new_tokens, K, rates, log))
+                results["runs"].append(_spec_rows(name, batch, prompts, plain, engines, new_tokens, K, rates, log,
+                                                  rounds))
     return results
 
 
 def _spec_rows(name: str, batch: int, prompts: list[list[int]], plain: Engine, engines: dict[str, Engine],
-               new_tokens: int, K: int, rates: dict, log) -> dict:
-    """One batch's row: the plain engine's run, then each speculative engine's (`_spec_row`) against it, with
-    its roofline speed-up at the machine's `rates` (`floor.measure_machine`)."""
+               new_tokens: int, K: int, rates: dict, log, rounds: int = 1) -> dict:
+    """One batch's row: `rounds` rounds, each the plain engine's run and then each speculative engine's
+    (`_spec_row`) against it, so that a speed-up compares runs minutes apart at most however the machine
+    drifts. The row keeps the plain run of median tok/s, and for each drafter its run of median speed-up
+    (each round's speed-ups in `round_speedups`), with its roofline speed-up at the machine's `rates`
+    (`floor.measure_machine`)."""
+    plain_runs, spec_runs = [], {kind: [] for kind in engines}
+    for _ in range(rounds):
+        plain_runs.append(bench_engine(plain, prompts, new_tokens))
+        for kind, engine in engines.items():
+            spec_runs[kind].append(_spec_row(engine, prompts, new_tokens, plain_runs[-1]["tok_s"]))
     row = {"config": name, "batch": batch, "prompt_len": sum(map(len, prompts)) / len(prompts),
-           "plain": bench_engine(plain, prompts, new_tokens)}
-    for kind, engine in engines.items():
-        row[kind] = _spec_row(engine, prompts, new_tokens, row["plain"]["tok_s"])
-        row[kind]["roofline_speedup"] = roofline_speedup(engine, rates, batch, K, row[kind]["tokens_per_step"],
+           "plain": _median(plain_runs, "tok_s")}
+    for kind, runs in spec_runs.items():
+        row[kind] = {**_median(runs, "speedup"), "round_speedups": [r["speedup"] for r in runs]}
+        row[kind]["roofline_speedup"] = roofline_speedup(engines[kind], rates, batch, K, row[kind]["tokens_per_step"],
                                                          int(row["prompt_len"]) + new_tokens // 2)
     log(f"{name:>8} K={K} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
-        f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x" for kind in engines))
+        f"{kind} {row[kind]['tok_s']:8.1f} tok/s {row[kind]['speedup']:.2f}x (rounds: "
+        + " ".join(f"{x:.2f}x" for x in row[kind]["round_speedups"]) + ")" for kind in engines))
     return row
+
+
+def _median(runs: list[dict], key: str) -> dict:
+    """The run whose `key` is the median of `runs` (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
 
 
 def _spec_row(engine: Engine, prompts: list[list[int]], new_tokens: int, plain_tok_s: float) -> dict:
@@ -312,15 +327,17 @@ def held_out_prompts(path: str | Path) -> list[list[int]]:
 
 
 def run_model_spec_bench(path: str | Path, batches: list[int], new_tokens: int, drafters: list[str], K: int,
-                         log=print) -> dict:
+                         threads: int = 1, rounds: int = 1, log=print) -> dict:
     """Compiled speculative decoding with each drafter against compiled plain decoding on a checkpoint's own
-    held-out prompts (batch b takes the first b, cycled), greedy: what its drafters accept on real text."""
-    torch.set_num_threads(1)
+    held-out prompts (batch b takes the first b, cycled), greedy: what its drafters accept on real text, at
+    `threads` intra-op threads."""
+    torch.set_num_threads(threads)
     prompts = held_out_prompts(path)
-    results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": 1,
+    results = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": threads,
                "workload": f"held-out prompts of {path}", "new_tokens": new_tokens, "num_speculative_tokens": K,
+               "rounds": rounds,
                "runs": []}
-    rates = results["rates"] = measure_machine(1)
+    rates = results["rates"] = measure_machine(threads)
     common = dict(compile=True, max_batch_size=max(batches), buckets=tuple(sorted(set(batches))), prefix_cache=False,
                   max_model_len=max(map(len, prompts)) + new_tokens + K + 1, progress=False)
     plain = Engine.from_pretrained(path, **common)
@@ -331,7 +348,8 @@ def run_model_spec_bench(path: str | Path, batches: list[int], new_tokens: int, 
                for kind in drafters if kind != "mtp" or K <= depths}
     for batch in batches:
         work = [prompts[i % len(prompts)] for i in range(batch)]
-        results["runs"].append(_spec_rows(Path(path).name, batch, work, plain, engines, new_tokens, K, rates, log))
+        results["runs"].append(_spec_rows(Path(path).name, batch, work, plain, engines, new_tokens, K, rates, log,
+                                          rounds))
     for engine in (plain, *engines.values()):
         engine.close()
     return results

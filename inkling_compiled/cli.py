@@ -260,9 +260,11 @@ def _bench_speculative(args: argparse.Namespace) -> int:
     by_k = {}
     for K in args.num_speculative_tokens:
         if args.model:
-            by_k[K] = run_model_spec_bench(args.model, args.batches, args.new_tokens, args.speculative, K)
+            by_k[K] = run_model_spec_bench(args.model, args.batches, args.new_tokens, args.speculative, K,
+                                           threads=args.threads, rounds=args.rounds)
         else:
-            by_k[K] = run_spec_bench(args.configs, args.batches, args.copy_overlap, args.new_tokens, args.speculative, K)
+            by_k[K] = run_spec_bench(args.configs, args.batches, args.copy_overlap, args.new_tokens, args.speculative, K,
+                                     threads=args.threads, rounds=args.rounds)
     tables = "\n\n".join(spec_table(r) for r in by_k.values())
     return _report({"by_num_speculative_tokens": by_k}, tables, args.json)
 
@@ -587,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens as drafts, the ceiling)")
     bench.add_argument("--num-speculative-tokens", type=positive_int, nargs="+", default=[2],
                        help="K for --speculative (several: a run for each)")
+    bench.add_argument("--rounds", type=positive_int, default=3,
+                       help="--speculative: rounds of a plain run then each drafter's, in turns (each row keeps "
+                            "the median round's speed-up, and every round's in the JSON)")
     bench.add_argument("--model", default=None,
                        help="--speculative on this checkpoint's held-out prompts (held_out.json, as "
                             "tools/train_tiny.py writes it) instead of the copy workload on --configs")

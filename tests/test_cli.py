@@ -64,6 +64,65 @@ def test_a_steps_floor_counts_its_tokens_weights_and_rows(checkpoint):
     assert two_rows["flops"] == three["flops"] and two_rows["bytes"] > three["bytes"]
 
 
+@pytest.mark.parametrize("workload", [["--model", "MODEL"], ["--configs", "tiny"]], ids=["model", "copy"])
+def test_the_speculative_bench_runs_at_the_threads_asked(workload, monkeypatch):
+    """`bench --speculative --threads 2`: the engines are built, and the machine's rates (the roofline
+    column's) measured, at two threads (before, the speculative bench ran at one whatever was asked)."""
+    from inkling_compiled import bench
+    from inkling_compiled.tiny import trained_checkpoint
+
+    class Built(Exception):
+        pass
+
+    seen = {}
+
+    def rates(threads):
+        seen["rates at"] = threads
+        return {"bandwidth_gbs": 10.0, "matmul_gflops": 100.0}
+
+    def from_pretrained(*args, **kwargs):
+        seen["engine threads"] = torch.get_num_threads()
+        raise Built
+
+    monkeypatch.setattr(bench, "measure_machine", rates)
+    monkeypatch.setattr(bench.Engine, "from_pretrained", from_pretrained)
+    argv = [str(trained_checkpoint()) if a == "MODEL" else a for a in workload]
+    try:
+        with pytest.raises(Built):
+            main(["bench", "--speculative", "mtp", *argv, "--batches", "1", "--num-speculative-tokens", "1",
+                  "--threads", "2"])
+    finally:
+        torch.set_num_threads(1)
+    assert seen == {"rates at": 2, "engine threads": 2}
+
+
+def test_the_speculative_bench_takes_rounds_in_turns_and_keeps_the_median_round(monkeypatch):
+    """Three rounds: plain, mtp, plain, mtp, plain, mtp; each round's speed-up is its mtp run over the plain
+    run just before it, and the row keeps the round of median speed-up (not the ratio of two medians)."""
+    from inkling_compiled import bench
+
+    plain_rates, mtp_rates = iter([100.0, 50.0, 80.0]), iter([150.0, 90.0, 96.0])  # rounds: 1.5x, 1.8x, 1.2x
+    order = []
+
+    def bench_engine(engine, prompts, new_tokens):
+        order.append(engine)
+        return {"tok_s": next(plain_rates if engine == "plain" else mtp_rates), "ttft_ms": 1.0}
+
+    class Mtp(str):  # a speculative engine as `_spec_row` reads it
+        def stats(self):
+            return {"spec_proposed": 0, "spec_accepted": 0, "depth_accepted": [], "depth_proposed": [],
+                    "decode_tokens": 0, "row_steps": 0}
+
+    monkeypatch.setattr(bench, "bench_engine", bench_engine)
+    monkeypatch.setattr(bench, "roofline_speedup", lambda *args: 1.4)
+
+    row = bench._spec_rows("m", 1, [[1, 2]], "plain", {"mtp": Mtp("mtp")}, 8, 2, {}, lambda *_: None, rounds=3)
+    assert order == ["plain", "mtp"] * 3
+    assert row["mtp"]["round_speedups"] == pytest.approx([1.5, 1.8, 1.2])
+    assert row["mtp"]["speedup"] == pytest.approx(1.5) and row["mtp"]["tok_s"] == 150.0
+    assert row["plain"]["tok_s"] == 80.0 and row["mtp"]["roofline_speedup"] == 1.4
+
+
 def test_a_draft_steps_cost_and_the_roofline_speedup(checkpoint):
     """draft_cost against the checkpoint file's own tensors: each depth's read once and multiplied over
     every token, the lm_head read once a depth and multiplied over one token a row. The roofline speed-up is
