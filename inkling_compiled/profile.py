@@ -40,9 +40,11 @@ PER_LAYER = {"decode": "per_layer_us", "verify": "verify_per_layer_us", "draft":
 def run_workload(engine, batch: int, steps: int, prompt_len: int = 32) -> None:
     from .sampling import SamplingParams
 
+    # A speculative step may emit K+1 tokens a row: enough for every measured step to be a full one.
+    new_tokens = (steps + 3) * (1 + getattr(engine, "num_speculative_tokens", 0))
     for i in range(batch):
         engine.add_request([3 + (i + j) % 250 for j in range(prompt_len)],
-                           SamplingParams(max_new_tokens=steps + 3, ignore_eos=True))
+                           SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     engine.step()  # prefill
     engine.step()  # first decode, outside the measured range
     with nvtx_range("profile"):

@@ -190,6 +190,34 @@ def test_profile_labels_verify_and_draft_replays_from_their_own_census(checkpoin
     assert all(v > 0 for v in (*summary["verify_per_layer_us"].values(), *summary["draft_per_depth_us"].values()))
 
 
+def test_the_profile_workload_keeps_every_measured_step_full_under_speculation():
+    """A speculative step may emit K+1 tokens a row: each of the measured steps (after the prefill and the
+    first decode) still has every request running when it starts. (Before, requests asked for steps + 3
+    tokens and a well-drafting engine finished them partway through the measured range.)"""
+    from inkling_compiled.profile import run_workload
+
+    class Speculating:  # emits K+1 tokens a request each step after the prefill, as if every draft were accepted
+        num_speculative_tokens = 2
+
+        def __init__(self):
+            self.left, self.running_at_step = [], []
+
+        def add_request(self, prompt, params):
+            self.left.append(params.max_new_tokens)
+
+        def step(self):
+            self.running_at_step.append(sum(n > 0 for n in self.left))
+            first = len(self.running_at_step) == 1
+            self.left = [max(n - (1 if first else self.num_speculative_tokens + 1), 0) for n in self.left]
+
+        def has_unfinished(self):
+            return any(self.left)
+
+    engine = Speculating()
+    run_workload(engine, batch=3, steps=5)
+    assert engine.running_at_step[2:7] == [3] * 5
+
+
 def test_profile_labels_a_replay_whose_calls_inductor_reordered():
     """Inductor runs a layer's k projection and k conv before the v projection (the census, traced with
     the eager backend, has both projections first), and may swap two convs of a layer: each call is still
