@@ -36,26 +36,40 @@ def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(3, 259, (batch, length), generator=g).tolist()
 
 
+def run_prompt(prompt: list[int], run: int) -> list[int]:
+    """`prompt` as `bench_engine`'s run number `run` (1 is its warm-up) sends it: with a first token of that
+    run's own, so no run's prefill is a prefix-cache hit on another's and the time to first token is a
+    prefill's."""
+    return [3 + run % 200, *prompt[1:]]
+
+
 def bench_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Decode tokens/s, ms a step and the time to first token of `prompts` (the median of REPEATS timed
+    runs after a warm-up). A request that fails (its drafter raised, say) fails the benchmark: its tokens
+    would otherwise be counted as made."""
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
     run_index = itertools.count(1)
 
+    def made(outputs) -> dict[int, int]:  # tokens each request has so far
+        for o in outputs:
+            if o.finish_reason == "error":
+                raise RuntimeError(f"a benchmarked request failed: {o.error}")
+        return {o.request_id: len(o.token_ids) for o in outputs}
+
     def run() -> tuple[float, int, int, float]:
-        # Each run's prompts start with a token of their own: no run's prefill is a prefix-cache hit on
-        # another's, so the time to first token is a prefill's.
-        first = 3 + next(run_index) % 200
+        number = next(run_index)
         t_first = time.perf_counter()
         for p in prompts:
-            engine.add_request([first, *p[1:]], params)
-        produced = {o.request_id: len(o.token_ids) for o in engine.step()}  # prefill + first tokens, apart
+            engine.add_request(run_prompt(p, number), params)
+        produced = made(engine.step())  # prefill + first tokens, apart
         while (now := engine.snapshot())["waiting"] or now["prefilling"]:  # a prefill over several steps too
-            produced.update((o.request_id, len(o.token_ids)) for o in engine.step())
+            produced.update(made(engine.step()))
         ttft = time.perf_counter() - t_first  # the batch's prefill: every request's first token
         tokens = len(prompts) * new_tokens - sum(produced.values())  # the timed steps' tokens
         steps, t0 = 0, time.perf_counter()
         while engine.has_unfinished():
-            engine.step()
+            made(engine.step())
             steps += 1
         return time.perf_counter() - t0, steps, tokens, ttft
 
@@ -244,8 +258,10 @@ def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tok
             plain = Engine.from_pretrained(path, **common)
             workloads = {batch: copy_prompts(plain, _prompts(batch, start_len, seed=batch), overlap, new_tokens)
                          for batch in batches}
-            replayed = {tuple(p): o.token_ids for prompts in workloads.values()
-                        for p, o in zip(prompts, plain.generate(prompts, params))}
+            # every run of `bench_engine` sends its own variant of each prompt (`run_prompt`): the warm-up's too
+            sent = [run_prompt(p, run) for prompts in workloads.values() for p in prompts
+                    for run in range(1, REPEATS + 2)]
+            replayed = {tuple(p): o.token_ids for p, o in zip(sent, plain.generate(sent, params))}
             engines = {kind: Engine.from_pretrained(
                 path, speculative=ReplayDrafter(replayed) if kind == "replay" else kind, num_speculative_tokens=K,
                 **common) for kind in drafters}

@@ -123,6 +123,34 @@ def test_the_speculative_bench_takes_rounds_in_turns_and_keeps_the_median_round(
     assert row["plain"]["tok_s"] == 80.0 and row["mtp"]["roofline_speedup"] == 1.4
 
 
+def test_the_replay_drafter_knows_what_the_benchmark_sends_and_a_failed_request_fails_the_benchmark(checkpoint):
+    """`bench_engine` sends each run its own variant of every prompt (`run_prompt`); replayed outputs of those
+    variants are drafted and all accepted. A drafter that fails its requests fails the benchmark rather than
+    having their tokens counted as made. (Before, the replay drafter was keyed by the unvaried prompts: every
+    request failed on a KeyError, and `bench --speculative replay` reported 13x from runs that made nothing.)"""
+    from conftest import random_prompt
+    from inkling_compiled import bench
+    from inkling_compiled.engine import Engine
+    from inkling_compiled.sampling import SamplingParams
+
+    new_tokens = 6
+    prompts = [random_prompt(12, seed=5), random_prompt(9, seed=6)]
+    options = dict(compile=False, max_batch_size=2, progress=False)
+    sent = [bench.run_prompt(p, run) for p in prompts for run in range(1, bench.REPEATS + 2)]
+    greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    replayed = {tuple(p): o.token_ids for p, o in zip(sent, Engine.from_pretrained(checkpoint("tiny"), **options)
+                                                         .generate(sent, greedy))}
+    engine = Engine.from_pretrained(checkpoint("tiny"), speculative=bench.ReplayDrafter(replayed),
+                                    num_speculative_tokens=2, **options)
+    bench.bench_engine(engine, prompts, new_tokens)
+    stats = engine.stats()
+    assert stats["spec_accepted"] == stats["spec_proposed"] > 0
+    unknown = Engine.from_pretrained(checkpoint("tiny"), speculative=bench.ReplayDrafter({}), num_speculative_tokens=2,
+                                     **options)
+    with pytest.raises(RuntimeError, match="a benchmarked request failed"):
+        bench.bench_engine(unknown, prompts, new_tokens)
+
+
 def test_a_draft_steps_cost_and_the_roofline_speedup(checkpoint):
     """draft_cost against the checkpoint file's own tensors: each depth's read once and multiplied over
     every token, the lm_head read once a depth and multiplied over one token a row. The roofline speed-up is
