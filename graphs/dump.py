@@ -264,7 +264,8 @@ def capture_table(summary: dict) -> str:
 
 
 def summary_markdown(summary: dict) -> str:
-    head = (f"# {summary['step'].capitalize()} graphs of {Path(summary['model']).name} ({summary['backend']} backend, {summary['device']})\n\n"
+    step = summary["step"][:1].upper() + summary["step"][1:]  # "Decode", "Verify", "MTP draft"
+    head = (f"# {step} graphs of {Path(summary['model']).name} ({summary['backend']} backend, {summary['device']})\n\n"
             "| bucket | graph | new graphs | breaks | recompiles | compile s | sconv calls | pool copies | inkling ops | "
             "aten ops |\n|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []

@@ -365,10 +365,12 @@ def _dump_graphs(args: argparse.Namespace) -> int:
         return 2
     torch.set_num_threads(engine_threads(args))
     summary = dump_graphs(args.model, args.out, buckets=tuple(args.buckets) if args.buckets else None,
-                          backend=args.backend, device=args.device, draft_tokens=args.speculative_tokens)
+                          backend=args.backend, device=args.device, draft_tokens=args.speculative_tokens,
+                          drafter=args.drafter)
     print((Path(args.out) / "summary.md").read_text(), end="")
-    if args.speculative_tokens:
-        print("\n" + (Path(args.out) / "verify" / "summary.md").read_text(), end="")
+    for step in ("verify", "draft"):
+        if step in summary:
+            print("\n" + (Path(args.out) / step / "summary.md").read_text(), end="")
     print(f"wrote {args.out}/ ({len(summary['buckets'])} buckets)")
     return 0
 
@@ -627,7 +629,10 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--device", default="cpu", help="cpu or cuda")
     dump.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's, every core)")
     dump.add_argument("--speculative-tokens", type=positive_int, default=0, metavar="K",
-                      help="also dump the verify step for K drafts (n-gram drafter), under OUT/verify")
+                      help="also dump the verify step for K drafts, under OUT/verify")
+    dump.add_argument("--drafter", choices=["ngram", "mtp"], default="ngram",
+                      help="the verify step's drafter with --speculative-tokens (mtp: the checkpoint's MTP head, "
+                           "whose draft step is dumped too, under OUT/draft)")
     dump.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two dump folders instead")
     dump.set_defaults(run=_dump_graphs)
 

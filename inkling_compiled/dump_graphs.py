@@ -11,13 +11,15 @@ from .graphs.dump import GraphDump
 
 
 def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[int, ...] | None = None,
-                backend: str = "inductor", device: str = "cpu", steps: int = 3, draft_tokens: int = 0) -> dict:
+                backend: str = "inductor", device: str = "cpu", steps: int = 3, draft_tokens: int = 0,
+                drafter: str = "ngram") -> dict:
     """Compiles each bucket of a fresh engine with a recording backend and writes the dump; the summary.
-    With `draft_tokens`, the engine also has a verify step for that many drafts (n-gram drafter), dumped
-    the same way under `out_dir/verify` (its summary under the summary's "verify")."""
+    With `draft_tokens`, the engine also has a verify step for that many drafts (`drafter`: "ngram", or
+    "mtp", the checkpoint's MTP head), dumped the same way under `out_dir/verify` (its summary under the
+    summary's "verify"); with "mtp", the draft step too, under `out_dir/draft` (the summary's "draft")."""
     dump = GraphDump(backend)
     buckets = tuple(sorted(buckets)) if buckets else None
-    spec = dict(speculative="ngram", num_speculative_tokens=draft_tokens) if draft_tokens else {}
+    spec = dict(speculative=drafter, num_speculative_tokens=draft_tokens) if draft_tokens else {}
     torch._dynamo.reset()
     try:
         # The Python kernel-launch wrapper, not the C++ one: same graph, same buffers, readable code.
@@ -29,6 +31,10 @@ def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[in
         summary = dump.write(worker.decoder, out_dir, **written)
         if draft_tokens:
             summary["verify"] = dump.write(worker.verifier, Path(out_dir) / "verify", **written)
+        if draft_tokens and drafter == "mtp":
+            head = engine.drafter
+            summary["draft"] = dump.write(head.compiled, Path(out_dir) / "draft",
+                                          **{**written, "state_tensors": head.pool.state_tensors()})
         return summary
     finally:
         torch._dynamo.reset()

@@ -70,6 +70,28 @@ def test_dump_of_the_verify_step(checkpoint, tmp_path, capsys):
     assert json.loads((tmp_path / "summary.json").read_text())["buckets"]["1"]["ops"]["inkling::sconv_decode"] == 16
 
 
+def test_dump_of_the_mtp_draft_step(checkpoint, tmp_path, capsys):
+    """`--speculative-tokens 2 --drafter mtp`: the draft step dumped beside decode and verify, one symbolic
+    graph for both buckets, no breaks, recompiles or pool copies, and its census one verify conv per depth
+    and stream; the CLI prints all three summaries."""
+    K = 2
+    assert main(["dump-graphs", "--model", str(checkpoint("tiny")), "--out", str(tmp_path), "--buckets", "1", "2",
+                 "--backend", "eager", "--speculative-tokens", str(K), "--drafter", "mtp"]) == 0
+    summary = json.loads((tmp_path / "draft" / "summary.json").read_text())
+    assert summary["step"] == "MTP draft"
+    records = summary["buckets"]
+    assert (records["1"]["graphs"], records["2"]["graphs"]) == (1, 0)
+    for record in records.values():
+        assert record["graph_breaks"] == 0 and record["recompiles"] == 0 and record["pool_copies"] == 0
+        assert record["ops"]["inkling::sconv_verify"] == 4 * K and "inkling::sconv_decode" not in record["ops"]
+    census = (tmp_path / "draft" / "bucket-1" / "census.txt").read_text()
+    convs = sorted(line for line in census.splitlines() if line.startswith("inkling::sconv_verify"))
+    assert convs == sorted(f"inkling::sconv_verify  layer={d}  stream={s}" for d in range(K)
+                           for s in ("k", "v", "attn", "mlp"))
+    printed = capsys.readouterr().out
+    assert "# Decode graphs of" in printed and "# Verify graphs of" in printed and "# MTP draft graphs of" in printed
+
+
 def test_dump_diff_against_itself_is_empty_and_names_changes(dumps):
     root, *_ = dumps
     assert diff_dumps(root / "a", root / "b") == []
