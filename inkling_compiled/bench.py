@@ -210,6 +210,13 @@ def quantization_table(results: dict, engines: list[str]) -> str:
 
 # ---- speculative decoding ----------------------------------------------------------------------------
 
+def replay_outputs(plain: Engine, prompt_lists, params: SamplingParams) -> dict[tuple[int, ...], list[int]]:
+    """`plain`'s greedy output of every prompt that `bench_engine` sends for the prompts of `prompt_lists`
+    (each run's variant, `run_prompt`, the warm-up's included): what a `ReplayDrafter` proposes."""
+    sent = [run_prompt(p, run) for prompts in prompt_lists for p in prompts for run in range(1, REPEATS + 2)]
+    return {tuple(p): o.token_ids for p, o in zip(sent, plain.generate(sent, params))}
+
+
 class ReplayDrafter(Drafter):
     """Proposes what a plain greedy run of the same prompt produced: every draft is accepted, so a run with
     it measures what verification costs and gains at full acceptance (the ceiling of any drafter)."""
@@ -258,10 +265,7 @@ def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tok
             plain = Engine.from_pretrained(path, **common)
             workloads = {batch: copy_prompts(plain, _prompts(batch, start_len, seed=batch), overlap, new_tokens)
                          for batch in batches}
-            # every run of `bench_engine` sends its own variant of each prompt (`run_prompt`): the warm-up's too
-            sent = [run_prompt(p, run) for prompts in workloads.values() for p in prompts
-                    for run in range(1, REPEATS + 2)]
-            replayed = {tuple(p): o.token_ids for p, o in zip(sent, plain.generate(sent, params))}
+            replayed = replay_outputs(plain, workloads.values(), params)
             engines = {kind: Engine.from_pretrained(
                 path, speculative=ReplayDrafter(replayed) if kind == "replay" else kind, num_speculative_tokens=K,
                 **common) for kind in drafters}
@@ -313,7 +317,7 @@ def _spec_row(engine: Engine, prompts: list[list[int]], new_tokens: int, plain_t
                acceptance_by_depth=by_depth,
                tokens_per_step=(after["decode_tokens"] - before["decode_tokens"])
                / max(after["row_steps"] - before["row_steps"], 1),
-               speedup=row["tok_s"] / plain_tok_s)
+               speedup=row["tok_s"] / plain_tok_s, paired_plain_tok_s=plain_tok_s)
     return row
 
 

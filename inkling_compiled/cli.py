@@ -363,6 +363,9 @@ def _dump_graphs(args: argparse.Namespace) -> int:
     if not args.model or not args.out:
         print("error: dump-graphs needs --model and --out (or --diff A B)", file=sys.stderr)
         return 2
+    if args.drafter != "ngram" and not args.speculative_tokens:
+        print("error: dump-graphs --drafter needs --speculative-tokens K (the verify step's drafts)", file=sys.stderr)
+        return 2
     torch.set_num_threads(engine_threads(args))
     summary = dump_graphs(args.model, args.out, buckets=tuple(args.buckets) if args.buckets else None,
                           backend=args.backend, device=args.device, draft_tokens=args.speculative_tokens,
@@ -381,7 +384,7 @@ def _profile(args: argparse.Namespace) -> int:
     import torch
 
     from .engine import Engine
-    from .profile import profile, run_nsys
+    from .profile import PER_LAYER, UNIT, profile, run_nsys
 
     out = Path(args.out)
     if args.nsys:
@@ -392,10 +395,9 @@ def _profile(args: argparse.Namespace) -> int:
     summary = profile(engine, out, batch=args.batch, steps=args.steps)
     print(f"wrote {out}/trace.json (open in https://ui.perfetto.dev or chrome://tracing)")
     print("per layer (us):", {k: round(v) for k, v in summary["per_layer_us"].items()})
-    for kind, key in (("verify", "verify_per_layer_us"), ("draft", "draft_per_depth_us")):
-        if key in summary:
-            print(f"{kind} per {'depth' if kind == 'draft' else 'layer'} (us):",
-                  {k: round(v) for k, v in summary[key].items()})
+    for kind in ("verify", "draft"):
+        if PER_LAYER[kind] in summary:
+            print(f"{kind} per {UNIT[kind]} (us):", {k: round(v) for k, v in summary[PER_LAYER[kind]].items()})
     print("per conv stream (us):", {k: round(v) for k, v in summary["per_stream_us"].items()})
     print("prep vs compute (us):", {k: round(v) for k, v in summary["phases_us"].items()})
     print(f"wrote {out}/summary.png" if summary["png"] else "no summary.png: matplotlib is not installed")

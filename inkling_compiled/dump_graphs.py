@@ -27,14 +27,18 @@ def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[in
                                         warmup=False, progress=False, buckets=buckets,
                                         max_batch_size=max(buckets) if buckets else 32, cpp_wrapper=False, **spec)
         worker = engine.worker
-        written = dict(state_tensors=worker.pool.state_tensors(), model=str(model_dir), device=device, steps=steps)
+        # every tensor a step writes in place, so that a copy of one is flagged: the verify step's saved
+        # windows and, for the draft step, its head pool's too
+        pool = worker.pool
+        written = dict(state_tensors=[*pool.state_tensors(), *pool.draft_windows()], model=str(model_dir),
+                       device=device, steps=steps)
         summary = dump.write(worker.decoder, out_dir, **written)
         if draft_tokens:
             summary["verify"] = dump.write(worker.verifier, Path(out_dir) / "verify", **written)
         if draft_tokens and drafter == "mtp":
             head = engine.drafter
-            summary["draft"] = dump.write(head.compiled, Path(out_dir) / "draft",
-                                          **{**written, "state_tensors": head.pool.state_tensors()})
+            summary["draft"] = dump.write(head.compiled, Path(out_dir) / "draft", **{
+                **written, "state_tensors": [*head.pool.state_tensors(), *head.pool.draft_windows()]})
         return summary
     finally:
         torch._dynamo.reset()

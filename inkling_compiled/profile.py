@@ -3,10 +3,11 @@
 Writes `trace.json` (Chrome / Perfetto) and `summary.png` + `summary.json`: time per layer and per conv
 stream, and metadata prep against graph replay. The CPU conv kernels record `sconv S @ layer L` ranges
 themselves, replays included; eager steps also have `layer L` ranges. Compiled replays run no Python
-per layer, so their `inkling::` op events are also labelled from the graph census: a replay calls its
-custom ops in graph order, and the census knows the layer and stream of each call. Each labelled op
-gets `[layer L stream]` in its name, and a `layer L` span is added from the first to the last op of
-that layer; those spans are marked `"synthetic": true` in their args.
+per layer, so their `inkling::` op events are also labelled from the census of their step's graph
+(decode, verify, MTP draft), which knows the layer and stream of each call (`label_trace`). Each
+labelled op gets `[layer L stream]` (a draft step's `[depth L stream]`) in its name, and a `layer L`
+(`depth L`) span is added from the first to the last op of that layer; those spans are marked
+`"synthetic": true` in their args.
 """
 
 from __future__ import annotations
@@ -35,27 +36,33 @@ STEP_KINDS = {
 # counted ("prepare", "decode compute", "per_layer_us").
 PREP_PHASE = {"decode": "prepare", "verify": "prepare verify", "draft": "prepare draft"}
 PER_LAYER = {"decode": "per_layer_us", "verify": "verify_per_layer_us", "draft": "draft_per_depth_us"}
+UNIT = {"decode": "layer", "verify": "layer", "draft": "depth"}  # what a step kind's layers are called
 
 
 def run_workload(engine, batch: int, steps: int, prompt_len: int = 32) -> None:
+    from .errors import RequestError
     from .sampling import SamplingParams
 
     # A speculative step may emit K+1 tokens a row: enough for every measured step to be a full one.
     new_tokens = (steps + 3) * (1 + getattr(engine, "num_speculative_tokens", 0))
-    for i in range(batch):
-        engine.add_request([3 + (i + j) % 250 for j in range(prompt_len)],
-                           SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    ids = [engine.add_request([3 + (i + j) % 250 for j in range(prompt_len)],
+                              SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)) for i in range(batch)]
     engine.step()  # prefill
     engine.step()  # first decode, outside the measured range
     with nvtx_range("profile"):
         for _ in range(steps):
             engine.step()
+    for rid in ids:  # what is left of them would only lengthen the trace
+        try:
+            engine.abort(rid)
+        except RequestError:  # already finished (failed, say)
+            pass
     while engine.has_unfinished():
         engine.step()
 
 
 def _traced_census(step, prepare_padding, device, bucket: int) -> list[tuple[str, int | None, str | None]]:
-    """(op, layer, stream) of each custom-op call of `step`'s graph at `bucket`, in graph order: a second,
+    """(op, layer, stream) of each custom-op call of `step`'s graph at `bucket`, in the graph's order: a second,
     eager-backend trace of a step built over the engine's own model and buffers (cheap, and it leaves the
     engine's graphs alone)."""
     from .graphs import CompiledStep, GraphRecorder, census
@@ -85,7 +92,7 @@ def census_labels(engine, batch: int) -> dict[str, list[tuple[str, int | None, s
                                           backend.prepare_verify_padding, engine.device,
                                           _bucket(worker.verifier, batch))
     drafter = engine.drafter
-    if getattr(drafter, "compiled", None) is not None:
+    if getattr(drafter, "compiled", None) is not None and hasattr(drafter, "probe_step"):  # the MTP drafter
         labels["draft"] = _traced_census(*drafter.probe_step(), engine.device, _bucket(drafter.compiled, batch))
     return labels
 
@@ -97,7 +104,7 @@ def label_trace(events: list[dict], labels: dict[str, list[tuple[str, int | None
                  key=lambda e: e["ts"])
     added = []
     for kind, kind_labels in labels.items():
-        where = "depth" if kind == "draft" else "layer"
+        where = UNIT[kind]
         prefix = STEP_KINDS[kind][0]
         for replay in (e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)):
             start, end = replay["ts"], replay["ts"] + replay["dur"]
@@ -126,7 +133,7 @@ def label_trace(events: list[dict], labels: dict[str, list[tuple[str, int | None
                 lo, hi = spans.get(layer, [event["ts"], event["ts"] + event["dur"]])
                 spans[layer] = [min(lo, event["ts"]), max(hi, event["ts"] + event["dur"])]
             for layer, (lo, hi) in sorted(spans.items()):
-                added.append({"ph": "X", "name": f"layer {layer}", "ts": lo, "dur": hi - lo, "pid": replay.get("pid"),
+                added.append({"ph": "X", "name": f"{where} {layer}", "ts": lo, "dur": hi - lo, "pid": replay.get("pid"),
                               "tid": replay.get("tid"), "cat": "inkling", "args": {"synthetic": True}})
     return events + added
 
@@ -154,11 +161,12 @@ def summarize(events: list[dict]) -> dict:
     kernel_ranges = any(str(e.get("name", "")).startswith("sconv ") for e in events)
     for e in measured:
         name = str(e.get("name", ""))
-        if name.startswith("layer ") and name.split()[1].isdigit() and len(name.split()) == 2:
+        words = name.split()
+        if len(words) == 2 and words[0] in ("layer", "depth") and words[1].isdigit():  # eager, or a replay's span
             kind = next((k for f, k in forwards if f.get("tid") == e.get("tid")
                          and f["ts"] <= e["ts"] <= f["ts"] + f["dur"]), None)
-            if kind is not None:
-                per_layer[kind][name] += e["dur"]
+            if kind is not None:  # an eager draft step's depths are decoder layers, and say so
+                per_layer[kind][f"{UNIT[kind]} {words[1]}"] += e["dur"]
         if kernel_ranges and name.startswith("sconv "):  # "sconv S @ layer L", recorded by the CPU kernels
             per_stream[name.split()[1]] += e["dur"]
         elif not kernel_ranges and name.startswith("inkling::sconv") and "[" in name:
@@ -167,9 +175,8 @@ def summarize(events: list[dict]) -> dict:
             phases[PREP_PHASE[prep[name]]] += e["dur"]
     for e, kind in forwards:
         phases[f"{kind} compute"] += e["dur"]
-    def ordered(kind: str) -> dict[str, float]:  # a draft step's layers are its depths
-        rows = sorted(per_layer[kind].items(), key=lambda kv: int(kv[0].split()[1]))
-        return {(name.replace("layer", "depth") if kind == "draft" else name): us for name, us in rows}
+    def ordered(kind: str) -> dict[str, float]:
+        return dict(sorted(per_layer[kind].items(), key=lambda kv: int(kv[0].split()[1])))
 
     summary = {PER_LAYER[kind]: ordered(kind) for kind in STEP_KINDS if kind == "decode" or per_layer[kind]}
     return {**summary, "per_stream_us": dict(per_stream), "phases_us": dict(phases)}
@@ -183,7 +190,7 @@ def plot_summary(summary: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    panels = [(f"{kind} time per {'depth' if kind == 'draft' else 'layer'} (us)", summary[key])
+    panels = [(f"{kind} time per {UNIT[kind]} (us)", summary[key])
               for kind, key in PER_LAYER.items() if key in summary]
     panels += [("conv time per stream (us)", summary["per_stream_us"]), ("prep vs compute (us)", summary["phases_us"])]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))

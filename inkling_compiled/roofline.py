@@ -71,7 +71,7 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
     import tempfile
     from pathlib import Path
 
-    from .bench import ReplayDrafter, _prompts, bench_engine
+    from .bench import ReplayDrafter, _prompts, bench_engine, replay_outputs
     from .engine import Engine
     from .sampling import SamplingParams
     from .tiny import build_tiny_checkpoint
@@ -101,8 +101,8 @@ def roofline(config_name: str, batches: list[int], context: int = 128, new_token
             if "verify" in kinds:
                 greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
                 workloads = {b: _prompts(b, prompt_len, seed=b) for b in batches}
-                replay = {tuple(p): o.token_ids for ps in workloads.values() for p, o in zip(ps, plain.generate(ps, greedy))}
-                spec = Engine.from_pretrained(path, speculative=ReplayDrafter(replay),
+                drafts = ReplayDrafter(replay_outputs(plain, workloads.values(), greedy))  # every draft accepted
+                spec = Engine.from_pretrained(path, speculative=drafts,
                                               num_speculative_tokens=speculative_tokens, **common)
                 for batch, prompts in workloads.items():
                     seen.append(measure_machine(count))

@@ -78,7 +78,7 @@ def test_the_speculative_bench_runs_at_the_threads_asked(workload, monkeypatch):
 
     def rates(threads):
         seen["rates at"] = threads
-        return {"bandwidth_gbs": 10.0, "matmul_gflops": 100.0}
+        return {"bandwidth_gb_s": 10.0, "matmul_gflop_s": 100.0}
 
     def from_pretrained(*args, **kwargs):
         seen["engine threads"] = torch.get_num_threads()
@@ -124,10 +124,11 @@ def test_the_speculative_bench_takes_rounds_in_turns_and_keeps_the_median_round(
 
 
 def test_the_replay_drafter_knows_what_the_benchmark_sends_and_a_failed_request_fails_the_benchmark(checkpoint):
-    """`bench_engine` sends each run its own variant of every prompt (`run_prompt`); replayed outputs of those
-    variants are drafted and all accepted. A drafter that fails its requests fails the benchmark rather than
+    """`bench_engine` sends each run its own variant of every prompt (`run_prompt`); `replay_outputs` replays
+    each of those variants, so every draft is accepted. A drafter that fails its requests fails the benchmark rather than
     having their tokens counted as made. (Before, the replay drafter was keyed by the unvaried prompts: every
-    request failed on a KeyError, and `bench --speculative replay` reported 13x from runs that made nothing.)"""
+    request failed on a KeyError: `bench --speculative replay` reported 13x from runs that made nothing, and
+    `roofline --steps verify` timed failed requests.)"""
     from conftest import random_prompt
     from inkling_compiled import bench
     from inkling_compiled.engine import Engine
@@ -136,10 +137,9 @@ def test_the_replay_drafter_knows_what_the_benchmark_sends_and_a_failed_request_
     new_tokens = 6
     prompts = [random_prompt(12, seed=5), random_prompt(9, seed=6)]
     options = dict(compile=False, max_batch_size=2, progress=False)
-    sent = [bench.run_prompt(p, run) for p in prompts for run in range(1, bench.REPEATS + 2)]
     greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    replayed = {tuple(p): o.token_ids for p, o in zip(sent, Engine.from_pretrained(checkpoint("tiny"), **options)
-                                                         .generate(sent, greedy))}
+    # what `bench --speculative replay` and `roofline --steps verify` hand their replay drafter
+    replayed = bench.replay_outputs(Engine.from_pretrained(checkpoint("tiny"), **options), [prompts], greedy)
     engine = Engine.from_pretrained(checkpoint("tiny"), speculative=bench.ReplayDrafter(replayed),
                                     num_speculative_tokens=2, **options)
     bench.bench_engine(engine, prompts, new_tokens)

@@ -75,6 +75,8 @@ def test_dump_of_the_mtp_draft_step(checkpoint, tmp_path, capsys):
     graph for both buckets, no breaks, recompiles or pool copies, and its census one verify conv per depth
     and stream; the CLI prints all three summaries."""
     K = 2
+    assert main(["dump-graphs", "--model", str(checkpoint("tiny")), "--out", str(tmp_path), "--drafter", "mtp"]) == 2
+    assert "--drafter needs --speculative-tokens" in capsys.readouterr().err
     assert main(["dump-graphs", "--model", str(checkpoint("tiny")), "--out", str(tmp_path), "--buckets", "1", "2",
                  "--backend", "eager", "--speculative-tokens", str(K), "--drafter", "mtp"]) == 0
     summary = json.loads((tmp_path / "draft" / "summary.json").read_text())
@@ -192,7 +194,7 @@ def test_profile_labels_verify_and_draft_replays_from_their_own_census(checkpoin
         replays = [e for e in events if e["name"].startswith(prefix)]
         assert replays, prefix
         for replay in replays:
-            yield [e["name"].split("[", 1)[1].rstrip("]").split() for e in events
+            yield [e["name"].split("[", 1)[1].rstrip("]").split() for e in sorted(events, key=lambda e: e["ts"])
                    if e["name"].startswith("inkling::sconv_verify [") and e.get("tid") == replay.get("tid")
                    and replay["ts"] <= e["ts"] <= replay["ts"] + replay["dur"]]
 
@@ -204,6 +206,8 @@ def test_profile_labels_verify_and_draft_replays_from_their_own_census(checkpoin
     for labels in conv_labels("draft replay bucket 2"):
         assert sorted((w, int(n), s) for w, n, s in labels) == sorted(
             ("depth", d, s) for d in range(K) for s in streams)
+    synthetic = {e["name"] for e in events if e.get("args", {}).get("synthetic")}
+    assert {f"depth {d}" for d in range(K)} | {f"layer {n}" for n in range(layers)} == synthetic
     summary = json.loads((out / "summary.json").read_text())
     for kind in ("verify", "draft"):
         assert summary["phases_us"][f"prepare {kind}"] > 0 and summary["phases_us"][f"{kind} compute"] > 0
@@ -214,8 +218,9 @@ def test_profile_labels_verify_and_draft_replays_from_their_own_census(checkpoin
 
 def test_the_profile_workload_keeps_every_measured_step_full_under_speculation():
     """A speculative step may emit K+1 tokens a row: each of the measured steps (after the prefill and the
-    first decode) still has every request running when it starts. (Before, requests asked for steps + 3
-    tokens and a well-drafting engine finished them partway through the measured range.)"""
+    first decode) still has every request running when it starts, and what is left of them is aborted
+    after the range. (Before, requests asked for steps + 3 tokens and a well-drafting engine finished
+    them partway through the measured range.)"""
     from inkling_compiled.profile import run_workload
 
     class Speculating:  # emits K+1 tokens a request each step after the prefill, as if every draft were accepted
@@ -226,6 +231,10 @@ def test_the_profile_workload_keeps_every_measured_step_full_under_speculation()
 
         def add_request(self, prompt, params):
             self.left.append(params.max_new_tokens)
+            return len(self.left) - 1
+
+        def abort(self, request_id):
+            self.left[request_id] = 0
 
         def step(self):
             self.running_at_step.append(sum(n > 0 for n in self.left))
@@ -238,6 +247,7 @@ def test_the_profile_workload_keeps_every_measured_step_full_under_speculation()
     engine = Speculating()
     run_workload(engine, batch=3, steps=5)
     assert engine.running_at_step[2:7] == [3] * 5
+    assert len(engine.running_at_step) == 7  # then aborted, not run to their end under the profiler
 
 
 def test_profile_labels_a_replay_whose_calls_inductor_reordered():

@@ -1,6 +1,6 @@
 """Where an MTP (or plain) decode step of a checkpoint goes, without a profiler's per-op cost: each phase
 timed around its own call (the verify, decode and draft replays, the draft step's host work, the target's
-prep and commit), per step, over the checkpoint's held-out prompts.
+prep per step kind and the verify commit), per step, over the checkpoint's held-out prompts.
 
     OMP_NUM_THREADS=1 python tools/spec_step_split.py [--model DIR] [--batch 8] [-K 2] [--plain] [--runs 3]
 
@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3, help="runs over the batch (the last is reported)")
     args = ap.parse_args(argv)
+    if args.runs < 1 or args.batch < 1 or args.K < 1:
+        ap.error("--runs, --batch and -K must be at least 1")
     torch.set_num_threads(1)
     path = args.model or str(trained_checkpoint())
     prompts = held_out_prompts(path)
@@ -70,7 +72,18 @@ def main(argv=None) -> int:
     worker = engine.worker
     timer.wrap(engine, "step", "engine step")
     timer.wrap(worker, "execute", "worker step")
-    timer.wrap(worker.runner, "prepare", "target prep")
+    prepare = worker.runner.prepare
+
+    def prepare_by_kind(plan):  # a verify or decode step's prep apart from the prefill's
+        t0 = time.perf_counter()
+        try:
+            return prepare(plan)
+        finally:
+            label = f"{plan.kind.value} prep"
+            timer.seconds[label] += time.perf_counter() - t0
+            timer.calls[label] += 1
+
+    worker.runner.prepare = prepare_by_kind
     timer.wrap(worker.runner, "commit", "verify commit")
     for label, step in (("verify replay", worker.verifier), ("decode replay", worker.decoder)):
         if step is not None:
