@@ -79,9 +79,13 @@ def _bucket(step, batch: int) -> int:
 
 def census_labels(engine, batch: int) -> dict[str, list[tuple[str, int | None, str | None]]]:
     """For each compiled step kind the engine replays (decode, verify, the MTP draft step), the
-    (op, layer, stream) of each custom-op call of its graph at the bucket serving `batch` rows."""
+    (op, layer, stream) of each custom-op call of its graph at the bucket serving `batch` rows. None for a
+    tensor-parallel engine: a probe's trace runs its step, whose collectives would wait for ranks that
+    are not stepping."""
     from .runner import DecodeStep, VerifyStep
 
+    if getattr(engine, "ranks", None) is not None:
+        return {}
     worker, labels = engine.worker, {}
     backend = worker.backend
     if worker.decoder is not None:
@@ -233,7 +237,8 @@ def profile(engine, out: Path, *, batch: int, steps: int) -> dict:
     trace["traceEvents"] = label_trace(trace["traceEvents"], labels)
     (out / "trace.json").write_text(json.dumps(trace))
     summary = summarize(trace["traceEvents"])
-    summary.update(batch=batch, steps=steps, compiled=engine.worker.decoder is not None)
+    summary.update(batch=batch, steps=steps, compiled=engine.worker.decoder is not None,
+                   labelled=sorted(labels))  # the step kinds whose replays' ops carry layers
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     summary["png"] = plot_summary(summary, out / "summary.png")
     return summary

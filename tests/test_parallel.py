@@ -320,6 +320,21 @@ def test_cli_generate_on_two_ranks_prints_what_one_rank_prints(checkpoint, capsy
     assert capsys.readouterr().out == one and not dist.is_initialized()
 
 
+def test_profile_of_a_tensor_parallel_engine_finishes(checkpoint, tmp_path):
+    """`profile` on two ranks times rank 0's compiled replays; it traces no census probe there, whose step
+    would run collectives that no other rank joins (before, it waited for them until the timeout)."""
+    from inkling_compiled.profile import profile
+
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=True, compile_backend="eager", max_batch_size=2,
+                                    buckets=(2,), progress=False, tensor_parallel_size=2, tensor_parallel_timeout=30)
+    try:
+        summary = profile(engine, tmp_path, batch=2, steps=2)
+    finally:
+        engine.close()
+    assert summary["labelled"] == [] and summary["phases_us"]["decode compute"] > 0
+    assert summary["phases_us"]["prepare"] > 0
+
+
 def test_a_rank_that_cannot_start_is_reported_at_once(checkpoint, monkeypatch):
     import inkling_compiled.parallel.runtime as runtime
 
