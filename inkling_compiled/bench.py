@@ -288,9 +288,9 @@ def _spec_rows(name: str, batch: int, prompts: list[list[int]], plain: Engine, e
         for kind, engine in engines.items():
             spec_runs[kind].append(_spec_row(engine, prompts, new_tokens, plain_runs[-1]["tok_s"]))
     row = {"config": name, "batch": batch, "prompt_len": sum(map(len, prompts)) / len(prompts),
-           "plain": _median(plain_runs, "tok_s")}
+           "plain": median_run(plain_runs, "tok_s")}
     for kind, runs in spec_runs.items():
-        row[kind] = {**_median(runs, "speedup"), "round_speedups": [r["speedup"] for r in runs]}
+        row[kind] = {**median_run(runs, "speedup"), "round_speedups": [r["speedup"] for r in runs]}
         row[kind]["roofline_speedup"] = roofline_speedup(engines[kind], rates, batch, K, row[kind]["tokens_per_step"],
                                                          int(row["prompt_len"]) + new_tokens // 2)
     log(f"{name:>8} K={K} bs={batch:<3} plain {row['plain']['tok_s']:8.1f} tok/s | " + " | ".join(
@@ -299,9 +299,10 @@ def _spec_rows(name: str, batch: int, prompts: list[list[int]], plain: Engine, e
     return row
 
 
-def _median(runs: list[dict], key: str) -> dict:
-    """The run whose `key` is the median of `runs` (the lower middle one of an even count)."""
-    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run whose `key` is the median of `runs` (the upper middle one of an even count): all its numbers
+    from that one run."""
+    return sorted(runs, key=lambda r: r[key])[len(runs) // 2]
 
 
 def _spec_row(engine: Engine, prompts: list[list[int]], new_tokens: int, plain_tok_s: float) -> dict:

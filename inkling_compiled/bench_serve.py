@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .bench import median_run
 from .engine import Engine
 from .sampling import SamplingParams
 from .tiny import build_tiny_checkpoint
@@ -177,11 +178,6 @@ def _clients(port: int, prompts: list[list[int]], concurrency: int, new_tokens: 
     return _summary(time.perf_counter() - t0, arrivals, starts)
 
 
-def _median_run(runs: list[dict]) -> dict:
-    """The run whose tokens/s is the median of `runs` (all its numbers, from one run)."""
-    return sorted(runs, key=lambda r: r["tokens_s"])[len(runs) // 2]
-
-
 def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt_len: int, new_tokens: int,
                     engine_process: bool = True, repeats: int = 3, client: str = "threads", aiperf: str = "aiperf",
                     log=print) -> dict:
@@ -225,7 +221,7 @@ def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt
                         if engine_process:
                             api[c].append(run_api(engine, _prompts(requests, prompt_len), c, new_tokens))
                         http_runs.append(http_run())
-                    http_run, api_run = _median_run(http_runs), _median_run(api[c])
+                    http_run, api_run = median_run(http_runs, "tokens_s"), median_run(api[c], "tokens_s")
                     row = {"concurrency": c, "http": http_run, "api": api_run,
                            "http_over_api": http_run["tokens_s"] / api_run["tokens_s"],
                            "tokens_s_all": {"http": [r["tokens_s"] for r in http_runs],

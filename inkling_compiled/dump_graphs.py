@@ -27,18 +27,17 @@ def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[in
                                         warmup=False, progress=False, buckets=buckets,
                                         max_batch_size=max(buckets) if buckets else 32, cpp_wrapper=False, **spec)
         worker = engine.worker
-        # every tensor a step writes in place, so that a copy of one is flagged: the verify step's saved
-        # windows and, for the draft step, its head pool's too
-        pool = worker.pool
-        written = dict(state_tensors=[*pool.state_tensors(), *pool.draft_windows()], model=str(model_dir),
-                       device=device, steps=steps)
+        def written_in_place(pool) -> list[torch.Tensor]:  # so that a copy of any of them is flagged
+            return [*pool.state_tensors(), *pool.draft_windows()]  # a verify step's saved windows too
+
+        written = dict(state_tensors=written_in_place(worker.pool), model=str(model_dir), device=device, steps=steps)
         summary = dump.write(worker.decoder, out_dir, **written)
         if draft_tokens:
             summary["verify"] = dump.write(worker.verifier, Path(out_dir) / "verify", **written)
         if draft_tokens and drafter == "mtp":
             head = engine.drafter
-            summary["draft"] = dump.write(head.compiled, Path(out_dir) / "draft", **{
-                **written, "state_tensors": [*head.pool.state_tensors(), *head.pool.draft_windows()]})
+            summary["draft"] = dump.write(head.compiled, Path(out_dir) / "draft",
+                                          **{**written, "state_tensors": written_in_place(head.pool)})
         return summary
     finally:
         torch._dynamo.reset()

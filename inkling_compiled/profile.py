@@ -79,7 +79,7 @@ def _bucket(step, batch: int) -> int:
 
 def census_labels(engine, batch: int) -> dict[str, list[tuple[str, int | None, str | None]]]:
     """For each compiled step kind the engine replays (decode, verify, the MTP draft step), the
-    (op, layer, stream) of each custom-op call of its graph at the bucket serving `batch` rows. None for a
+    (op, layer, stream) of each custom-op call of its graph at the bucket serving `batch` rows. Nothing for a
     tensor-parallel engine: a probe's trace runs its step, whose collectives would wait for ranks that
     are not stepping."""
     from .runner import DecodeStep, VerifyStep
@@ -104,12 +104,17 @@ def census_labels(engine, batch: int) -> dict[str, list[tuple[str, int | None, s
 def label_trace(events: list[dict], labels: dict[str, list[tuple[str, int | None, str | None]]]) -> list[dict]:
     """Names each replay's inkling:: op events after its step kind's census (`[layer L stream]`; a draft
     step's layers are its depths, `[depth L stream]`) and adds a synthetic `layer L` span per layer."""
-    ops = sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("inkling::")),
-                 key=lambda e: e["ts"])
+    def named(prefix: str) -> list[dict]:
+        return sorted((e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)),
+                      key=lambda e: e["ts"])
+
+    ops = named("inkling::")
+    kernel_ranges = named("sconv ")  # "sconv S @ layer L", recorded by the CPU conv kernels
     added = []
     for kind, kind_labels in labels.items():
         where = UNIT[kind]
         prefix = STEP_KINDS[kind][0]
+        calls = Counter(op for op, _, _ in kind_labels)
         for replay in (e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(prefix)):
             start, end = replay["ts"], replay["ts"] + replay["dur"]
             inside = [e for e in ops if start <= e["ts"] <= end and e.get("tid") == replay.get("tid")]
@@ -119,11 +124,10 @@ def label_trace(events: list[dict], labels: dict[str, list[tuple[str, int | None
             queues: dict[str, deque] = defaultdict(deque)
             for op, layer, stream in kind_labels:
                 queues[op].append((layer, stream))
-            if Counter(e["name"] for e in inside) != Counter({op: len(q) for op, q in queues.items()}):
+            if Counter(e["name"] for e in inside) != calls:
                 continue  # not this graph's calls (a partial replay, a foreign op): label nothing
             # Within a layer the conv streams may swap too: the CPU conv kernels name their own stream.
-            kernels = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("sconv ")
-                       and start <= e["ts"] <= end and e.get("tid") == replay.get("tid")]
+            kernels = [e for e in kernel_ranges if start <= e["ts"] <= end and e.get("tid") == replay.get("tid")]
             spans: dict[int, list[float]] = {}
             for event in inside:
                 op = event["name"]
