@@ -210,6 +210,13 @@ class CompiledStep:
         if eligible and guarded_sources is not None:
             self.guarded_sources = tuple(s for s in guarded_sources if s != INSTANCE_SOURCE)
         self._options: dict = {"cpp_wrapper": True, **separate_wrapper_build()} if self.cpp_wrapper else {}
+        if compile_backend == "inductor":
+            # Inductor checks the sizes and strides of the step's inputs and of every custom op's output on
+            # every call (437 checks in `small`'s decode step, each building an error message's stream in
+            # the C++ wrapper before it knows whether it needs one): 3-4 % of a batch-1 step. The ops' fakes are tested against their
+            # kernels (tests/test_ops.py) and compiled steps against eager ones; TORCHINDUCTOR_SIZE_ASSERTS=1
+            # turns the checks back on to debug a kernel.
+            self._options["size_asserts"] = os.environ.get("TORCHINDUCTOR_SIZE_ASSERTS") == "1"
         self._kwargs = {"fullgraph": True, "dynamic": False, "backend": self.compiler}
         if mode is not None and compile_backend == "inductor":  # torch.compile takes a mode or options, not both
             self._options = {**torch._inductor.list_mode_options(mode), **self._options}
