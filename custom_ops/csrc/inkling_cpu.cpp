@@ -906,9 +906,12 @@ float* panel_buffer(int64_t floats) {
 // streams from memory as four sequential streams at once (panel p reads rows o0 + p + {0, 1, 2, 3} *
 // quarter): on an AMD EPYC (Zen 4) 1-8 MB weights read this way came at 24-28 GB/s a thread at one or
 // two rows where panels of four adjacent rows came at 17-21 (tools/bench_matmul.py --from-memory 512).
-// With one or two rows of x the hardware's prefetchers keep up alone (asking for the next row cost
-// 10-15 % in a standalone loop); from three, the multiply-adds between loads leave them short, and
-// each stream asks for its next row. The rest of the range (under 4 outputs) goes one output at a
+// With one or two rows of x the hardware's prefetchers keep up alone with fp32 weights (asking for the
+// next row cost 10-15 % in a standalone loop), but not with int8 ones, whose widening puts three
+// instructions between a stream's loads where fp32 has one: each stream asks for the bytes 2 KB ahead
+// (one row of 512x512 int8 at one row of x, from memory: 25-29 to 22-25 us; 512x1024: 54-56 to 41 us).
+// From three rows, the multiply-adds between loads leave them short with either type, and each stream
+// asks for its next row. The rest of the range (under 4 outputs) goes one output at a
 // time. Which panel an output lands in changes no operation on it: the result is the same whatever
 // the range. int8 weights are widened in registers by every block of rows that reads them: up to the
 // 32 rows the few-row kernel takes, that was faster than widening each panel once into a buffer.
@@ -916,7 +919,7 @@ template <int W, typename T>
 INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
                                 int64_t o0, int64_t o1, float* y) {
   const int64_t quarter = (o1 - o0) / 4, rest = o0 + 4 * quarter;
-  const int64_t ahead = n <= 2 ? 0 : w_o;
+  const int64_t ahead = n > 2 ? w_o : std::is_same_v<T, int8_t> ? std::max<int64_t>(w_o, 2048) : 0;
   for (int64_t p = o0; p < o0 + quarter; ++p)
     dot_panel_rows<W>(x, n, H, w + p * w_o, quarter * w_o, O, 4, y + p, quarter, ahead);
   for (int64_t o = rest; o < o1; ++o) dot_panel_rows<W>(x, n, H, w + o * w_o, 0, O, 1, y + o, 0, ahead);
