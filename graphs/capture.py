@@ -200,7 +200,14 @@ class CompiledStep:
         eligible = (package_key is not None and compile_backend == "inductor" and mode is None
                     and device.type == "cpu" and self.symbolic_batch is not None and self.symbolic_batch.start == 1
                     and package.supported())
-        self.package_path = package.package_path(self.cache_dir, package_key, self.cpp_wrapper) if eligible else None
+        # Inductor checks the sizes and strides of the step's inputs and of every custom op's output on
+        # every call (437 checks in `small`'s decode step, each building an error message's stream in the
+        # C++ wrapper before it knows whether it needs one): 3-4 % of a batch-1 step. The ops' fakes are
+        # tested against their kernels (tests/test_ops.py) and compiled steps against eager ones;
+        # TORCHINDUCTOR_SIZE_ASSERTS=1 compiles them in again (a package of its own) to debug a kernel.
+        self.size_asserts = os.environ.get("TORCHINDUCTOR_SIZE_ASSERTS") == "1"
+        self.package_path = (package.package_path(self.cache_dir, package_key, self.cpp_wrapper, self.size_asserts)
+                             if eligible else None)
         self.packaged = False  # whether the step runs as a package (loaded, or compiled and saved here)
         self.loaded = False  # whether that package was loaded (nothing is compiled, only warmed)
         # Called when a loaded package is dropped for tracing: whoever marks the metadata marks it again.
@@ -211,12 +218,7 @@ class CompiledStep:
             self.guarded_sources = tuple(s for s in guarded_sources if s != INSTANCE_SOURCE)
         self._options: dict = {"cpp_wrapper": True, **separate_wrapper_build()} if self.cpp_wrapper else {}
         if compile_backend == "inductor":
-            # Inductor checks the sizes and strides of the step's inputs and of every custom op's output on
-            # every call (437 checks in `small`'s decode step, each building an error message's stream in
-            # the C++ wrapper before it knows whether it needs one): 3-4 % of a batch-1 step. The ops' fakes are tested against their
-            # kernels (tests/test_ops.py) and compiled steps against eager ones; TORCHINDUCTOR_SIZE_ASSERTS=1
-            # turns the checks back on to debug a kernel.
-            self._options["size_asserts"] = os.environ.get("TORCHINDUCTOR_SIZE_ASSERTS") == "1"
+            self._options["size_asserts"] = self.size_asserts
         self._kwargs = {"fullgraph": True, "dynamic": False, "backend": self.compiler}
         if mode is not None and compile_backend == "inductor":  # torch.compile takes a mode or options, not both
             self._options = {**torch._inductor.list_mode_options(mode), **self._options}

@@ -5,7 +5,7 @@ entry itself (inductor's wrapper and every kernel). Also the median engine step,
 calls a step makes (a noise-free proxy of the host's work).
 
     OMP_NUM_THREADS=1 python tools/host_split.py [--config small] [--batch 1] [--steps 300] [--threads 1]
-        [--quantization int8]
+        [--quantization int8] [--size-asserts]
 
 Timers wrap the layers' methods (a few microseconds of their own per step); the C++ entry is found in
 the cpp-wrapper module inductor generated for the step, so the split needs the default CPU path (inductor,
@@ -15,6 +15,7 @@ after another, on a machine whose speed drifts.
 
 import argparse
 import collections
+import os
 import statistics
 import tempfile
 import time
@@ -63,7 +64,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quantization", choices=["none", "int8"], default="none")
+    p.add_argument("--size-asserts", action="store_true",
+                   help="compile inductor's per-call size and stride checks in (TORCHINDUCTOR_SIZE_ASSERTS=1)")
     args = p.parse_args()
+    if args.size_asserts:
+        os.environ["TORCHINDUCTOR_SIZE_ASSERTS"] = "1"
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(Path(tmp) / args.config, args.config)
