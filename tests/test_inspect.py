@@ -299,3 +299,14 @@ def test_prep_singleton_allocates_nothing_per_step(checkpoint, capsys):
     one_host = int(singleton.split(",")[2].split()[0])
     assert one_host < 16_384
     torch.set_num_threads(1)
+
+
+def test_host_split_refuses_to_time_steps_after_the_rows_end(checkpoint):
+    """tools/host_split.py --steps past max_model_len once printed a 0.005 ms median of empty steps."""
+    import host_split
+
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_model_len=72, progress=False)
+    engine.add_request(random_prompt(64, seed=1), SamplingParams(max_new_tokens=100, ignore_eos=True))
+    assert len(host_split.time_steps(engine, 4)) == 4  # the prefill, then decodes
+    with pytest.raises(SystemExit, match="--steps 10 outlasts the rows: they end after 4 steps at max_model_len=72"):
+        host_split.time_steps(engine, 10)

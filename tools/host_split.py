@@ -57,6 +57,20 @@ def time_cpp_entries() -> int:
     return wrapped
 
 
+def time_steps(engine: Engine, steps: int) -> list[float]:
+    """Seconds of each of `steps` engine steps; refuses to time steps after the rows have ended (at
+    max_model_len), which would be empty."""
+    each = []
+    for _ in range(steps):
+        if not engine.has_unfinished():
+            raise SystemExit(f"--steps {steps} outlasts the rows: they end after {len(each)} steps at "
+                             f"max_model_len={engine.max_model_len}")
+        t0 = time.perf_counter()
+        engine.step()
+        each.append(time.perf_counter() - t0)
+    return each
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="small")
@@ -87,11 +101,7 @@ def main() -> None:
         raise SystemExit("no C++ wrapper entry found: the split needs the default CPU path (inductor, C++ wrapper)")
     calls = python_calls(engine, 10)
     spent.clear()
-    each = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        engine.step()
-        each.append(time.perf_counter() - t0)
+    each = time_steps(engine, args.steps)
     us = {key: value / args.steps * 1e6 for key, value in spent.items()}
     print(f"{args.config}{'' if args.quantization == 'none' else ' ' + args.quantization}, batch {args.batch}, {args.threads} thread(s), {args.steps} steps: median step "
           f"{statistics.median(each) * 1e3:.3f} ms, mean {us['step'] / 1e3:.3f} ms, {calls:.0f} Python calls a step")
