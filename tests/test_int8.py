@@ -97,7 +97,9 @@ PROMPTS = [PREFIX + random_prompt(n, seed=n) for n in (3, 11)] + [random_prompt(
 @pytest.mark.parametrize("column_major", [False, True])
 def test_linear_int8_matches_the_rule_from_1_to_300_rows(column_major):
     g = torch.Generator().manual_seed(1)
-    for o, h in ((96, 40), (37, 19), (50, 130), (300, 257)):  # odd widths: vector tails, partial panels
+    # odd widths: vector tails, partial panels; 300 x 1030 past 32 rows: two blocks of outputs (240 + 60),
+    # each dequantized and multiplied into its columns of the output
+    for o, h in ((96, 40), (37, 19), (50, 130), (300, 257), (300, 1030)):
         w = torch.randn(o, h, generator=g) / 10
         q, scale = rule(w)
         q = q.t().contiguous().t() if column_major else q
