@@ -200,11 +200,12 @@ class CompiledStep:
         eligible = (package_key is not None and compile_backend == "inductor" and mode is None
                     and device.type == "cpu" and self.symbolic_batch is not None and self.symbolic_batch.start == 1
                     and package.supported())
-        # Inductor checks the sizes and strides of the step's inputs and of every custom op's output on
-        # every call (437 checks in `small`'s decode step, each building an error message's stream in the
-        # C++ wrapper before it knows whether it needs one): 3-4 % of a batch-1 step. The ops' fakes are
-        # tested against their kernels (tests/test_ops.py) and compiled steps against eager ones;
-        # TORCHINDUCTOR_SIZE_ASSERTS=1 compiles them in again (a package of its own) to debug a kernel.
+        # Inductor checks the sizes and strides of the step's inputs and of every op output it did not
+        # generate itself (ours and ATen's) on every call: 437 checks in `small`'s decode step, each
+        # building an error message's stream in the C++ wrapper before it knows whether it needs one,
+        # 3-4 % of a batch-1 step. The ops' fakes are checked against their kernels (opcheck in
+        # tests/test_ops.py) and compiled steps against eager ones; TORCHINDUCTOR_SIZE_ASSERTS=1 compiles
+        # the checks in again (a package of its own) to debug a kernel.
         self.size_asserts = os.environ.get("TORCHINDUCTOR_SIZE_ASSERTS") == "1"
         self.package_path = (package.package_path(self.cache_dir, package_key, self.cpp_wrapper, self.size_asserts)
                              if eligible else None)

@@ -174,6 +174,12 @@ def test_cpp_wrapper_checks_no_sizes_on_every_call(checkpoint, monkeypatch):
     layers = engine.config.num_hidden_layers
     assert codes[0].count('"inkling::sconv_decode"') == 4 * layers  # the decode step's C++ wrapper
     assert "assert_size_stride(" not in codes[0]
+    # on request they are compiled in, and such a step never loads a package saved without them
+    plain = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), warmup=False).worker.decoder
+    monkeypatch.setenv("TORCHINDUCTOR_SIZE_ASSERTS", "1")
+    checked = compiled_engine(checkpoint, "tiny", max_batch_size=4, buckets=(1, 4), warmup=False).worker.decoder
+    assert checked._options["size_asserts"] is True and plain._options["size_asserts"] is False
+    assert plain.package_path is not None and checked.package_path != plain.package_path
 
 
 def test_pool_sizes_are_not_baked_into_the_graph(checkpoint):

@@ -97,8 +97,8 @@ PROMPTS = [PREFIX + random_prompt(n, seed=n) for n in (3, 11)] + [random_prompt(
 @pytest.mark.parametrize("column_major", [False, True])
 def test_linear_int8_matches_the_rule_from_1_to_300_rows(column_major):
     g = torch.Generator().manual_seed(1)
-    # odd widths: vector tails, partial panels; 300 x 1030 past 32 rows: two blocks of outputs (240 + 60),
-    # each dequantized and multiplied into its columns of the output
+    # odd widths: vector tails, partial panels; past 32 rows 300 x 257 and 300 x 1030 are two blocks of
+    # outputs each (288 + 12, 240 + 60), dequantized and multiplied into their columns of the output
     for o, h in ((96, 40), (37, 19), (50, 130), (300, 257), (300, 1030)):
         w = torch.randn(o, h, generator=g) / 10
         q, scale = rule(w)
@@ -150,11 +150,14 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it_in_every_build(isa)
     assert differ.startswith("0 "), differ
 
 
-def test_moe_experts_int8_matches_a_plain_loop():
+# 520 x 600 and 300 wide: past 32 rows an expert, each projection in two blocks of outputs (496 + 104 and
+# 512 + 8), each written into its columns of the expert's rows
+@pytest.mark.parametrize("E, H, I, counts", [(8, 48, 40, (1, 5, 40, 200)), (4, 520, 300, (200,))])
+def test_moe_experts_int8_matches_a_plain_loop(E, H, I, counts):
     g = torch.Generator().manual_seed(2)
-    E, k, H, I = 8, 2, 48, 40
+    k = 2
     gate_up, down = rule(torch.randn(E, 2 * I, H, generator=g) / 10), rule(torch.randn(E, H, I, generator=g) / 10)
-    for tokens in (1, 5, 40, 200):  # decode rows to prefill chunks (ATen past 32 rows an expert)
+    for tokens in counts:  # decode rows to prefill chunks (ATen past 32 rows an expert)
         for column_major in (False, True):
             gu, dn = (w.transpose(1, 2).contiguous().transpose(1, 2) if column_major else w
                       for w in (gate_up[0], down[0]))

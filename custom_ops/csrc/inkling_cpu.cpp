@@ -908,8 +908,9 @@ float* panel_buffer(int64_t floats) {
 // two rows where panels of four adjacent rows came at 17-21 (tools/bench_matmul.py --from-memory 512).
 // With one or two rows of x the hardware's prefetchers keep up alone with fp32 weights (asking for the
 // next row cost 10-15 % in a standalone loop), but not with int8 ones, whose widening puts three
-// instructions between a stream's loads where fp32 has one: each stream asks for the bytes 2 KB ahead
-// (one row of 512x512 int8 at one row of x, from memory: 25-29 to 22-25 us; 512x1024: 54-56 to 41 us).
+// instructions between a stream's loads where fp32 has one: each stream asks for the bytes 2 KB or a
+// row ahead, whichever is further (a 512x512 int8 weight at one row of x, from memory: 25-29 to 22-25
+// us; 512x1024: 54-56 to 41 us).
 // From three rows, the multiply-adds between loads leave them short with either type, and each stream
 // asks for its next row. The rest of the range (under 4 outputs) goes one output at a
 // time. Which panel an output lands in changes no operation on it: the result is the same whatever
@@ -1881,6 +1882,7 @@ void check_int8_weight(const char* op, const at::Tensor& q, const at::Tensor& sc
 void int8_gemm(const float* x, int64_t n, int64_t H, const at::Tensor& q, const float* scale, float* y,
                int64_t y_stride) {
   const int64_t O = q.size(0);
+  TORCH_CHECK(y_stride >= O, "int8_gemm: an output row of ", y_stride, " floats cannot hold ", O, " outputs");
   const bool column_major = q.stride(1) != 1;
   const int64_t block = std::max<int64_t>(16, std::min<int64_t>(O, (256 << 10) / std::max<int64_t>(1, H)) / 16 * 16);
   thread_local FloatScratch buffer;
