@@ -52,18 +52,24 @@ def test_dump_summary_has_the_census(dumps, checkpoint):
     assert (root / "a" / "summary.md").read_text().startswith("# Decode graphs")
 
 
+def assert_one_clean_verify_graph(folder: Path, step: str, verify_convs: int) -> None:
+    """A dump of buckets 1 and 2 of `step`: one symbolic graph for both, no breaks, recompiles or pool
+    copies, and `verify_convs` verify convs (no decode conv) in each."""
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["step"] == step
+    records = summary["buckets"]
+    assert (records["1"]["graphs"], records["2"]["graphs"]) == (1, 0)
+    for record in records.values():
+        assert record["graph_breaks"] == 0 and record["recompiles"] == 0 and record["pool_copies"] == 0
+        assert record["ops"]["inkling::sconv_verify"] == verify_convs and "inkling::sconv_decode" not in record["ops"]
+
+
 def test_dump_of_the_verify_step(checkpoint, tmp_path, capsys):
     """`--speculative-tokens 2`: the verify step dumped beside decode, one symbolic graph for both buckets,
     every conv a verify conv, no breaks or recompiles; the CLI prints both summaries."""
     assert main(["dump-graphs", "--model", str(checkpoint("tiny")), "--out", str(tmp_path), "--buckets", "1", "2",
                  "--backend", "eager", "--speculative-tokens", "2"]) == 0
-    summary = json.loads((tmp_path / "verify" / "summary.json").read_text())
-    assert summary["step"] == "verify"
-    records = summary["buckets"]
-    assert (records["1"]["graphs"], records["2"]["graphs"]) == (1, 0)
-    for record in records.values():
-        assert record["graph_breaks"] == 0 and record["recompiles"] == 0 and record["pool_copies"] == 0
-        assert record["ops"]["inkling::sconv_verify"] == 16 and "inkling::sconv_decode" not in record["ops"]
+    assert_one_clean_verify_graph(tmp_path / "verify", "verify", verify_convs=16)
     assert "inkling::sconv_verify  layer=3  stream=mlp" in (tmp_path / "verify" / "bucket-1" / "census.txt").read_text()
     printed = capsys.readouterr().out
     assert "# Decode graphs of" in printed and "# Verify graphs of" in printed
@@ -79,13 +85,7 @@ def test_dump_of_the_mtp_draft_step(checkpoint, tmp_path, capsys):
     assert "--drafter needs --speculative-tokens" in capsys.readouterr().err
     assert main(["dump-graphs", "--model", str(checkpoint("tiny")), "--out", str(tmp_path), "--buckets", "1", "2",
                  "--backend", "eager", "--speculative-tokens", str(K), "--drafter", "mtp"]) == 0
-    summary = json.loads((tmp_path / "draft" / "summary.json").read_text())
-    assert summary["step"] == "MTP draft"
-    records = summary["buckets"]
-    assert (records["1"]["graphs"], records["2"]["graphs"]) == (1, 0)
-    for record in records.values():
-        assert record["graph_breaks"] == 0 and record["recompiles"] == 0 and record["pool_copies"] == 0
-        assert record["ops"]["inkling::sconv_verify"] == 4 * K and "inkling::sconv_decode" not in record["ops"]
+    assert_one_clean_verify_graph(tmp_path / "draft", "MTP draft", verify_convs=4 * K)
     census = (tmp_path / "draft" / "bucket-1" / "census.txt").read_text()
     convs = sorted(line for line in census.splitlines() if line.startswith("inkling::sconv_verify"))
     assert convs == sorted(f"inkling::sconv_verify  layer={d}  stream={s}" for d in range(K)

@@ -14,6 +14,7 @@ import argparse
 import functools
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -29,7 +30,8 @@ class PhaseTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def wrap(self, obj, method: str, label: str) -> None:
+    def wrap(self, obj, method: str, label: str | Callable[..., str]) -> None:
+        """`label` names the phase, or is called with the call's arguments to name it."""
         inner = getattr(obj, method)
 
         @functools.wraps(inner)
@@ -38,8 +40,9 @@ class PhaseTimer:
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds[label] += time.perf_counter() - t0
-                self.calls[label] += 1
+                name = label(*args, **kwargs) if callable(label) else label
+                self.seconds[name] += time.perf_counter() - t0
+                self.calls[name] += 1
 
         setattr(obj, method, timed)
 
@@ -72,18 +75,8 @@ def main(argv=None) -> int:
     worker = engine.worker
     timer.wrap(engine, "step", "engine step")
     timer.wrap(worker, "execute", "worker step")
-    prepare = worker.runner.prepare
-
-    def prepare_by_kind(plan):  # a verify or decode step's prep apart from the prefill's
-        t0 = time.perf_counter()
-        try:
-            return prepare(plan)
-        finally:
-            label = f"{plan.kind.value} prep"
-            timer.seconds[label] += time.perf_counter() - t0
-            timer.calls[label] += 1
-
-    worker.runner.prepare = prepare_by_kind
+    # a verify or decode step's prep apart from the prefill's
+    timer.wrap(worker.runner, "prepare", lambda plan: f"{plan.kind.value} prep")
     timer.wrap(worker.runner, "commit", "verify commit")
     for label, step in (("verify replay", worker.verifier), ("decode replay", worker.decoder)):
         if step is not None:
