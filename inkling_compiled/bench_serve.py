@@ -8,24 +8,25 @@ one compiled engine. The HTTP clients run in a process of their own (as clients 
 does not share the server's interpreter, and each keeps its connection alive. Tokens are counted, not
 events: every chunk carries the usage so far (`continuous_usage_stats`), and a chunk's tokens arrive
 when it does, as an output of `step` brings its tokens on the API path. Reported: requests/s, output
-tokens/s, time to first token and inter-token latency (p50, p99), and HTTP over API.
+tokens/s, time to first token and inter-token latency (p50, p99), HTTP over API, and the CPU each side spent
+per output token: on a machine with few cores the client's own share decides what HTTP can reach.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
-import re
+import os
+import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 from .bench import median_run
+from .bench_client import summary as _summary
 from .engine import Engine
 from .sampling import SamplingParams
 from .tiny import build_tiny_checkpoint
@@ -36,21 +37,50 @@ def _prompts(n: int, length: int) -> list[list[int]]:
     return torch.randint(3, 259, (n, length), generator=g).tolist()
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def children_cpu_s() -> float:
+    """CPU seconds of this process's children that have ended (the HTTP clients, run to their end; aiperf's
+    own worker processes are its children and end before it)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
-def _summary(seconds: float, arrivals: list[list[float]], starts: list[float]) -> dict:
-    """arrivals[i]: when request i's tokens arrived (one entry per arrival); starts[i]: when it was sent."""
-    ttft = [a[0] - s for a, s in zip(arrivals, starts) if a]
-    itl = [b - a for times in arrivals for a, b in zip(times, times[1:])]
-    tokens = sum(len(a) for a in arrivals)
-    return {"requests_s": len(starts) / seconds, "tokens_s": tokens / seconds,
-            "ttft_p50_ms": 1e3 * _percentile(ttft, 0.5), "ttft_p99_ms": 1e3 * _percentile(ttft, 0.99),
-            "itl_p50_ms": 1e3 * _percentile(itl, 0.5), "itl_p99_ms": 1e3 * _percentile(itl, 0.99)}
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds a running process has spent, from /proc (None where there is none)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in clock ticks
+
+
+class CpuMeter:
+    """The CPU seconds each side of an HTTP run spends: the client (a child of this process), the server
+    (this process: the event loop and the threads that talk to the engine) and the engine's process."""
+
+    def __init__(self, engine_pid: int | None):
+        self.engine_pid = engine_pid
+        self.spent: dict[str, float | None] = {}
+
+    def _now(self) -> dict[str, float | None]:
+        engine = process_cpu_s(self.engine_pid) if self.engine_pid is not None else None
+        return {"client": children_cpu_s(), "server": time.process_time(), "engine": engine}
+
+    def __enter__(self) -> "CpuMeter":
+        self._start = self._now()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = self._now()
+        self.spent = {k: None if end[k] is None else end[k] - self._start[k] for k in end}
+
+
+def cpu_us_per_token(spent: dict, baseline: dict, tokens: int) -> dict[str, float | None]:
+    """Each side's CPU per output token: a run's CPU less that of a smaller run of the same kind (which pays
+    the same start-up: aiperf's takes seconds), over the tokens between them."""
+    if tokens <= 0:
+        return {k: None for k in spent}
+    return {k: None if spent[k] is None or baseline.get(k) is None else 1e6 * (spent[k] - baseline[k]) / tokens
+            for k in spent}
 
 
 def run_api(engine: Engine, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
@@ -58,7 +88,7 @@ def run_api(engine: Engine, prompts: list[list[int]], concurrency: int, new_toke
     pending = list(range(len(prompts)))
     starts, arrivals = [0.0] * len(prompts), [[] for _ in prompts]
     seen: dict[str, tuple[int, int]] = {}  # request id -> (index, tokens seen)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
 
     def send() -> None:
         i = pending.pop(0)
@@ -77,41 +107,10 @@ def run_api(engine: Engine, prompts: list[list[int]], concurrency: int, new_toke
                 del seen[out.request_id]
                 if pending:
                     send()
-    return _summary(time.perf_counter() - t0, arrivals, starts)
-
-
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
-
-
-def _stream(conn: http.client.HTTPConnection, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
-    """(sent at, arrival time of each token) of one streamed completion on a kept-alive connection. Every
-    chunk carries the usage so far (`continuous_usage_stats`), so a chunk's tokens are what its
-    completion_tokens adds, whatever its text; the last usage must say `new_tokens`."""
-    body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
-    sent = time.perf_counter()
-    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-    arrivals, counted, pending, done = [], 0, b"", False
-    while not done:
-        block = response.read1(65536)  # whatever has arrived: events that came together arrive together
-        if not block:
-            break
-        now = time.perf_counter()
-        events = pending + block
-        cut = events.rfind(b"\n\n") + 2  # parse whole events only; keep the rest for the next block
-        for found in _COMPLETION_TOKENS.finditer(events, 0, cut):
-            total = int(found.group(1))
-            arrivals += [now] * (total - counted)
-            counted = total
-        done = b"data: [DONE]" in events[:cut]
-        pending = events[cut:] if cut > 1 else events
-    response.read()
-    if counted != new_tokens:
-        raise RuntimeError(f"the stream's usage says {counted} completion tokens, not {new_tokens}")
-    return sent, arrivals
+    summary = _summary(time.perf_counter() - t0, arrivals, starts)
+    tokens = sum(len(a) for a in arrivals)
+    summary["cpu_us_per_token"] = {"api": 1e6 * (time.process_time() - cpu0) / tokens if tokens else None}
+    return summary
 
 
 def run_aiperf(port: int, tokenizer: Path, concurrency: int, requests: int, prompt_len: int, new_tokens: int,
@@ -134,48 +133,11 @@ def run_aiperf(port: int, tokenizer: Path, concurrency: int, requests: int, prom
 
 
 def run_http(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
-    """The HTTP clients, in a child process; their summary."""
+    """The HTTP clients (`bench_client`), in a child process that imports nothing of ours; their summary."""
     job = json.dumps({"port": port, "prompts": prompts, "concurrency": concurrency, "new_tokens": new_tokens})
-    run = subprocess.run([sys.executable, "-c", "from inkling_compiled.bench_serve import client_main; client_main()"],
-                         input=job, capture_output=True, text=True, check=True)
+    client = Path(__file__).with_name("bench_client.py")
+    run = subprocess.run([sys.executable, str(client)], input=job, capture_output=True, text=True, check=True)
     return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def client_main() -> None:
-    """The child process of `run_http`: the job as JSON on stdin, its summary as JSON on stdout."""
-    job = json.loads(sys.stdin.read())
-    print(json.dumps(_clients(job["port"], job["prompts"], job["concurrency"], job["new_tokens"])))
-
-
-def _clients(port: int, prompts: list[list[int]], concurrency: int, new_tokens: int) -> dict:
-    pending = list(range(len(prompts)))
-    starts, arrivals = [0.0] * len(prompts), [[] for _ in prompts]
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def client() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)  # kept alive, as clients do
-        try:
-            while True:
-                with lock:
-                    if not pending:
-                        return
-                    i = pending.pop(0)
-                starts[i], arrivals[i] = _stream(conn, prompts[i], new_tokens)
-        except BaseException as e:
-            errors.append(e)
-        finally:
-            conn.close()
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return _summary(time.perf_counter() - t0, arrivals, starts)
 
 
 def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt_len: int, new_tokens: int,
@@ -208,42 +170,69 @@ def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt
                     api[c] = [run_api(engine, _prompts(requests, prompt_len), c, new_tokens) for _ in range(repeats)]
                 server = ApiServer(engine, port=0, max_waiting=requests + 64)
             port = server.start()
+            engine_pid = server.loop.process.pid if engine_process else None  # else it steps in this process
             try:
                 for c in concurrencies:
-                    def http_run() -> dict:
-                        if client == "aiperf":
-                            return run_aiperf(port, path, c, requests, prompt_len, new_tokens, aiperf)
-                        return run_http(port, _prompts(requests, prompt_len), c, new_tokens)
+                    def http_run(count: int) -> dict:
+                        with CpuMeter(engine_pid) as meter:
+                            if client == "aiperf":
+                                run = run_aiperf(port, path, c, count, prompt_len, new_tokens, aiperf)
+                            else:
+                                run = run_http(port, _prompts(count, prompt_len), c, new_tokens)
+                        return {**run, "cpu_s": meter.spent}
 
-                    run_http(port, _prompts(c, prompt_len), c, new_tokens)
+                    warm = http_run(c)  # untimed; its CPU is what a run of this client pays to start and end
                     http_runs = []
                     for _ in range(repeats):
                         if engine_process:
                             api[c].append(run_api(engine, _prompts(requests, prompt_len), c, new_tokens))
-                        http_runs.append(http_run())
+                        run = http_run(requests)
+                        run["cpu_us_per_token"] = cpu_us_per_token(run["cpu_s"], warm["cpu_s"],
+                                                                   (requests - c) * new_tokens)
+                        http_runs.append(run)
                     http_run, api_run = median_run(http_runs, "tokens_s"), median_run(api[c], "tokens_s")
                     row = {"concurrency": c, "http": http_run, "api": api_run,
                            "http_over_api": http_run["tokens_s"] / api_run["tokens_s"],
                            "tokens_s_all": {"http": [r["tokens_s"] for r in http_runs],
                                             "api": [r["tokens_s"] for r in api[c]]}}
+                    client_us = http_run["cpu_us_per_token"]["client"]
+                    if client_us is not None:  # the cores the client alone would need to keep up with the engine
+                        row["client_cores_at_api_rate"] = client_us * 1e-6 * api_run["tokens_s"]
                     results["runs"].append(row)
                     log(f"concurrency {c:>3}: HTTP {http_run['tokens_s']:8.1f} tok/s, API {api_run['tokens_s']:8.1f} "
                         f"tok/s ({row['http_over_api']:.2f}x); TTFT p50 {http_run['ttft_p50_ms']:.1f} ms vs "
-                        f"{api_run['ttft_p50_ms']:.1f} ms")
+                        f"{api_run['ttft_p50_ms']:.1f} ms; CPU per token {_cpu_text(http_run, api_run)}"
+                        + (f"; at the API's rate the client alone needs {row['client_cores_at_api_rate']:.1f} of "
+                           f"{os.cpu_count()} cores" if client_us is not None else ""))
             finally:
                 server.stop()  # and its engine loop or process
     return results
 
 
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _cpu_text(http_run: dict, api_run: dict) -> str:
+    """CPU us per output token: the HTTP run's client / server / engine, and the API's (engine and clients
+    in one process)."""
+    cpu = http_run.get("cpu_us_per_token") or {}
+    return (f"client {_us(cpu.get('client'))} / server {_us(cpu.get('server'))} / engine {_us(cpu.get('engine'))} us"
+            f" (API {_us(api_run.get('cpu_us_per_token', {}).get('api'))} us)")
+
+
 def serve_table(results: dict) -> str:
     head = ["concurrency", "path", "requests/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-            "ITL p99 ms", "HTTP / API"]
+            "ITL p99 ms", "HTTP / API", "CPU us/token"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results["runs"]:
         for path in ("http", "api"):
             r = row[path]
+            cpu = r.get("cpu_us_per_token") or {}
+            cpu_text = " / ".join(_us(cpu.get(k)) for k in ("client", "server", "engine")) if path == "http" \
+                else _us(cpu.get("api"))
             lines.append("| " + " | ".join([
                 str(row["concurrency"]), path.upper(), f"{r['requests_s']:.2f}", f"{r['tokens_s']:.1f}",
                 f"{r['ttft_p50_ms']:.1f}", f"{r['ttft_p99_ms']:.1f}", f"{r['itl_p50_ms']:.2f}", f"{r['itl_p99_ms']:.2f}",
-                f"{row['http_over_api']:.2f}x" if path == "http" else ""]) + " |")
+                f"{row['http_over_api']:.2f}x" if path == "http" else "", cpu_text]) + " |")
     return "\n".join(lines)

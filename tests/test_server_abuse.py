@@ -196,15 +196,41 @@ def test_bench_serve_counts_tokens_as_usage_does(server):
     """The bench client's token arrivals are what the server's usage says, one per generated token."""
     import http.client
 
-    from inkling_compiled.bench_serve import _stream
+    from inkling_compiled.bench_client import stream_completion
 
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     try:
         for new_tokens in (1, 9):  # and on one kept-alive connection
-            sent, arrivals = _stream(conn, [5, 6, 7], new_tokens)
+            sent, arrivals = stream_completion(conn, [5, 6, 7], new_tokens)
             assert len(arrivals) == new_tokens and all(a >= sent for a in arrivals)
     finally:
         conn.close()
+
+
+def test_bench_serve_reads_each_sides_cpu_as_the_process_counts_its_own():
+    """bench-serve's CPU columns: a running process's CPU from /proc and an ended child's from the kernel's
+    accounting, each against what the process measured of itself."""
+    import subprocess
+    import sys
+
+    from inkling_compiled.bench_serve import children_cpu_s, cpu_us_per_token, process_cpu_s
+
+    burn = ("import sys, time\n"
+            "while time.process_time() < 0.4: pass\n"
+            "print(time.process_time(), flush=True)\n"
+            "sys.stdin.read()\n"
+            "print(time.process_time(), flush=True)\n")
+    before = children_cpu_s()
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    own = float(child.stdout.readline())
+    seen = process_cpu_s(child.pid)  # running, past its busy loop
+    end, _ = child.communicate("")
+    ended = children_cpu_s() - before
+    assert own >= 0.4 and seen == pytest.approx(own, abs=0.05)
+    assert float(end) >= 0.4 and ended >= float(end) - 0.02
+    assert process_cpu_s(child.pid) is None  # gone, and reaped
+    per_token = cpu_us_per_token({"client": 3.0, "server": 1.5, "engine": None}, {"client": 1.0, "server": 0.5}, 1000)
+    assert per_token == {"client": 2000.0, "server": 1000.0, "engine": None}
 
 
 @pytest.mark.parametrize("body, message", [
