@@ -127,6 +127,19 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(h):
             assert torch.equal(alone, batch[:rows]), (op, h, rows)
 
 
+@pytest.mark.parametrize("h", [130, 520])  # past 16 rows: two groups of 28 rows and 4; groups of 4
+def test_past_16_rows_a_rows_result_still_does_not_depend_on_the_rows_beside_it(h):
+    """From 17 rows the int8 kernel takes its panels in chunks and the rows in groups that fit in L1 (fp32
+    too, where the measured choice gives it those rows): only the order of the (row, output) pairs changes,
+    so a row alone and a row among 32 give the same bits. 70 outputs are two chunks of panels and a rest."""
+    g = torch.Generator().manual_seed(5)
+    q, scale = rule(torch.randn(70, h, generator=g) / 10)
+    x = torch.randn(32, h, generator=g)
+    batch = torch.ops.inkling.linear_int8(x, q, scale)
+    for rows in (1, 5, 16, 17, 23, 29, 31):
+        assert torch.equal(torch.ops.inkling.linear_int8(x[:rows], q, scale), batch[:rows]), (h, rows)
+
+
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it_in_every_build(isa):
     """The same, in the builds this CPU does not pick itself (forced, in a subprocess): each reduces a

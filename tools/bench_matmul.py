@@ -4,6 +4,7 @@ layout and rows.
 
     OMP_NUM_THREADS=1 python tools/bench_matmul.py [--rows 1 2 4 8 16 32] [--isa avx512|avx2|portable]
                                                    [--from-memory MB] [--threads N] [--shapes OxH ...]
+                                                   [--best-of B]
 
 Prints microseconds per call, ours / ATen (below 1.0 = ours is faster) and the rate at which our
 kernel reads the weight. By default one weight of a few MB, read from cache; `--from-memory 512`
@@ -25,17 +26,23 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = [(512, 512), (1024, 512), (512, 1024), (4000, 512)]  # the `small` config's projections and lm_head
+BATCH_CALLS = 20  # calls a batch of --best-of
 
 
-def timed(fn, weights: list[torch.Tensor], n: int = 200) -> float:
-    """Microseconds per call of fn(w), cycling through `weights`."""
+def timed(fn, weights: list[torch.Tensor], n: int = 200, best_of: int = 0) -> float:
+    """Microseconds per call of fn(w), cycling through `weights`: the mean of n calls, or with `best_of` B
+    the best of B batches of 20 calls (steadier where the machine's speed drifts within seconds)."""
     for w in weights[:10]:
         fn(w)
-    calls = max(n, len(weights))
-    t0 = time.perf_counter()
-    for i in range(calls):
-        fn(weights[i % len(weights)])
-    return (time.perf_counter() - t0) / calls * 1e6
+    batches, calls = (best_of, BATCH_CALLS) if best_of else (1, max(n, len(weights)))
+    best, i = float("inf"), 0
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(weights[i % len(weights)])
+            i += 1
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
 
 
 def main() -> None:
@@ -47,6 +54,8 @@ def main() -> None:
     p.add_argument("--from-memory", type=int, default=0, metavar="MB",
                    help="cycle through copies of each weight filling MB megabytes (0: one weight, in cache)")
     p.add_argument("--int8", action="store_true", help="the int8 weight-only op against ATen on fp32 weights")
+    p.add_argument("--best-of", type=int, default=0, metavar="B",
+                   help=f"each time the best of B batches of {BATCH_CALLS} calls (default: the mean of 200 calls)")
     args = p.parse_args()
     if os.environ.get("INKLING_FEW_ROWS") != "1000000":  # both are read once, when the kernels load
         env = {**os.environ, "INKLING_FEW_ROWS": "1000000", **({"INKLING_CPU_ISA": args.isa} if args.isa else {})}
@@ -71,8 +80,8 @@ def main() -> None:
                 x = torch.randn(rows, h)
                 w = weights[0]
                 assert torch.allclose(torch.ops.inkling.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
-                ours = timed(lambda w: torch.ops.inkling.linear(x, w), weights)
-                aten = timed(lambda w: F.linear(x, w), weights)
+                ours = timed(lambda w: torch.ops.inkling.linear(x, w), weights, best_of=args.best_of)
+                aten = timed(lambda w: F.linear(x, w), weights, best_of=args.best_of)
                 print(f"| {o}x{h} | {'W^T' if column_major else 'W'} | {rows} | {ours:.1f} | {aten:.1f} | "
                       f"{ours / aten:.2f} | {o * h * 4 / ours / 1e3:.1f} |")
 
@@ -93,8 +102,8 @@ def int8_table(shapes, args) -> None:
                 x = torch.randn(rows, h)
                 want = F.linear(x, dequantize(q8[0], scale))
                 assert torch.allclose(torch.ops.inkling.linear_int8(x, q8[0], scale), want, atol=1e-3, rtol=1e-4)
-                ours = timed(lambda q: torch.ops.inkling.linear_int8(x, q, scale), q8)
-                aten = timed(lambda w: F.linear(x, w), fp32)
+                ours = timed(lambda q: torch.ops.inkling.linear_int8(x, q, scale), q8, best_of=args.best_of)
+                aten = timed(lambda w: F.linear(x, w), fp32, best_of=args.best_of)
                 print(f"| {o}x{h} | {'W^T' if column_major else 'W'} | {rows} | {ours:.1f} | {aten:.1f} | "
                       f"{ours / aten:.2f} | {o * h / ours / 1e3:.1f} |")
 
