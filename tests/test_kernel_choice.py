@@ -132,6 +132,35 @@ def test_an_expert_bank_takes_the_kernel_its_two_projections_are_faster_on_toget
     assert torch.allclose(got, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("column_major", [False, True])
+def test_an_expert_on_atens_gemm_runs_two_gemms_and_nothing_else_of_atens(column_major):
+    """Where ATen serves an expert, its rows go through two GEMMs into the op's scratch and the kernel's
+    silu * up between them: views, silu and products as ATen calls once cost a batch-1 step of `small`
+    about 0.4 ms (14 experts a step). Both layouts of the banks; the result against a plain loop."""
+    I, H = 12, 24
+    slow = {"W": [9.0] * 6, "W^T": [9.0] * 6}
+    fast = {"W": [1.0] * 6, "W^T": [1.0] * 6}
+    _write(KernelChoices(threads=torch.get_num_threads()),
+           [ShapeChoice(2 * I, H, column_major, slow, fast), ShapeChoice(H, I, column_major, slow, fast)])
+    assert KernelChoices(threads=torch.get_num_threads()).experts(I, H) == 0  # ATen at every row count
+    g = torch.Generator().manual_seed(8)
+    x, idx, w = torch.randn(3, H, generator=g), torch.tensor([[0, 1], [0, 2], [1, 0]]), torch.rand(3, 2, generator=g)
+    banks = torch.randn(3, 2 * I, H, generator=g), torch.randn(3, H, I, generator=g)
+    if column_major:
+        banks = tuple(b.transpose(1, 2).contiguous().transpose(1, 2) for b in banks)
+    with torch.profiler.profile() as prof:
+        got = torch.ops.inkling.moe_experts(x, idx, w, *banks)
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::mm") == 2 * 3, names  # two an expert
+    assert not {"aten::linear", "aten::silu", "aten::mul", "aten::narrow", "aten::select"} & set(names), names
+    want = torch.zeros_like(x)
+    for t in range(3):
+        for k in range(2):
+            gu = banks[0][idx[t, k]] @ x[t]
+            want[t] += w[t, k] * (banks[1][idx[t, k]] @ (torch.nn.functional.silu(gu[:I]) * gu[I:]))
+    assert torch.allclose(got, want, atol=1e-4)
+
+
 def test_rows_between_measured_counts_take_the_next_one_up():
     choice = ShapeChoice(8, 8, False, {"W": [1, 1, 9, 1, 9, 9], "W^T": [9] * 6}, {"W": [5] * 6, "W^T": [5] * 6})
     assert choice.ours_rows() == [1, 2, 8]
