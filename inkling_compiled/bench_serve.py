@@ -55,7 +55,8 @@ def process_cpu_s(pid: int) -> float | None:
 
 class CpuMeter:
     """The CPU seconds each side of an HTTP run spends: the client (a child of this process), the server
-    (this process: the event loop and the threads that talk to the engine) and the engine's process."""
+    (this process: the event loop and the threads that talk to the engine) and the engine's process. With
+    no engine process (`engine_pid` None) the engine steps on a thread of this one, inside "server"."""
 
     def __init__(self, engine_pid: int | None):
         self.engine_pid = engine_pid
@@ -136,7 +137,9 @@ def run_http(port: int, prompts: list[list[int]], concurrency: int, new_tokens: 
     """The HTTP clients (`bench_client`), in a child process that imports nothing of ours; their summary."""
     job = json.dumps({"port": port, "prompts": prompts, "concurrency": concurrency, "new_tokens": new_tokens})
     client = Path(__file__).with_name("bench_client.py")
-    run = subprocess.run([sys.executable, str(client)], input=job, capture_output=True, text=True, check=True)
+    # -I: isolated, so the script's folder (this package's, whose profile.py would shadow the standard
+    # library's) is not on its path
+    run = subprocess.run([sys.executable, "-I", str(client)], input=job, capture_output=True, text=True, check=True)
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -181,13 +184,14 @@ def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt
                                 run = run_http(port, _prompts(count, prompt_len), c, new_tokens)
                         return {**run, "cpu_s": meter.spent}
 
-                    warm = http_run(c)  # untimed; its CPU is what a run of this client pays to start and end
+                    http_run(c)  # untimed: the first traffic of this concurrency pays its one-time costs
+                    base = http_run(c)  # what a run of this client pays to start and end (aiperf: seconds)
                     http_runs = []
                     for _ in range(repeats):
                         if engine_process:
                             api[c].append(run_api(engine, _prompts(requests, prompt_len), c, new_tokens))
                         run = http_run(requests)
-                        run["cpu_us_per_token"] = cpu_us_per_token(run["cpu_s"], warm["cpu_s"],
+                        run["cpu_us_per_token"] = cpu_us_per_token(run["cpu_s"], base["cpu_s"],
                                                                    (requests - c) * new_tokens)
                         http_runs.append(run)
                     http_run, api_run = median_run(http_runs, "tokens_s"), median_run(api[c], "tokens_s")
@@ -201,7 +205,7 @@ def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt
                     results["runs"].append(row)
                     log(f"concurrency {c:>3}: HTTP {http_run['tokens_s']:8.1f} tok/s, API {api_run['tokens_s']:8.1f} "
                         f"tok/s ({row['http_over_api']:.2f}x); TTFT p50 {http_run['ttft_p50_ms']:.1f} ms vs "
-                        f"{api_run['ttft_p50_ms']:.1f} ms; CPU per token {_cpu_text(http_run, api_run)}"
+                        f"{api_run['ttft_p50_ms']:.1f} ms; CPU per token {_cpu_text(http_run, api_run, engine_process)}"
                         + (f"; at the API's rate the client alone needs {row['client_cores_at_api_rate']:.1f} of "
                            f"{os.cpu_count()} cores" if client_us is not None else ""))
             finally:
@@ -213,15 +217,18 @@ def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-def _cpu_text(http_run: dict, api_run: dict) -> str:
-    """CPU us per output token: the HTTP run's client / server / engine, and the API's (engine and clients
-    in one process)."""
+def _cpu_text(http_run: dict, api_run: dict, engine_process: bool) -> str:
+    """CPU us per output token: the HTTP run's client / server / engine (server+engine when the engine steps
+    on a thread of the server's process), and the API's (engine and clients in one process)."""
     cpu = http_run.get("cpu_us_per_token") or {}
-    return (f"client {_us(cpu.get('client'))} / server {_us(cpu.get('server'))} / engine {_us(cpu.get('engine'))} us"
-            f" (API {_us(api_run.get('cpu_us_per_token', {}).get('api'))} us)")
+    sides = (f"server {_us(cpu.get('server'))} / engine {_us(cpu.get('engine'))}" if engine_process
+             else f"server+engine {_us(cpu.get('server'))}")
+    return f"client {_us(cpu.get('client'))} / {sides} us (API {_us(api_run.get('cpu_us_per_token', {}).get('api'))} us)"
 
 
 def serve_table(results: dict) -> str:
+    """The runs as a table; `CPU us/token` on an HTTP row is client / server / engine (the engine "-" and
+    inside the server's figure when it stepped on a thread of the server's process)."""
     head = ["concurrency", "path", "requests/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
             "ITL p99 ms", "HTTP / API", "CPU us/token"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

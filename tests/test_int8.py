@@ -129,15 +129,24 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(h):
 
 @pytest.mark.parametrize("h", [130, 520])  # past 16 rows: two groups of 28 rows and 4; groups of 4
 def test_past_16_rows_a_rows_result_still_does_not_depend_on_the_rows_beside_it(h):
-    """From 17 rows the int8 kernel takes its panels in chunks and the rows in groups that fit in L1 (fp32
-    too, where the measured choice gives it those rows): only the order of the (row, output) pairs changes,
-    so a row alone and a row among 32 give the same bits. 70 outputs are two chunks of panels and a rest."""
+    """From 17 rows the few-row kernel takes its panels in chunks and the rows in groups that fit in L1 (int8
+    always to 32 rows; fp32 where the measured choice gives it those rows, forced here): only the order of
+    the (row, output) pairs changes, so a row alone and a row among 32 give the same bits. 70 outputs are
+    two chunks of panels and a rest."""
+    from inkling_compiled import kernel_choice
+
     g = torch.Generator().manual_seed(5)
-    q, scale = rule(torch.randn(70, h, generator=g) / 10)
+    w = torch.randn(70, h, generator=g) / 10
+    q, scale = rule(w)
     x = torch.randn(32, h, generator=g)
-    batch = torch.ops.inkling.linear_int8(x, q, scale)
-    for rows in (1, 5, 16, 17, 23, 29, 31):
-        assert torch.equal(torch.ops.inkling.linear_int8(x[:rows], q, scale), batch[:rows]), (h, rows)
+    kernel_choice._set_choice(70, h, False, torch.get_num_threads(), (1 << 64) - 1)  # fp32: the kernel to 64 rows
+    try:
+        for op, args in (("linear_int8", (q, scale)), ("linear", (w,))):
+            batch = getattr(torch.ops.inkling, op)(x, *args)
+            for rows in (1, 5, 16, 17, 23, 29, 31):
+                assert torch.equal(getattr(torch.ops.inkling, op)(x[:rows], *args), batch[:rows]), (op, h, rows)
+    finally:
+        kernel_choice.forget_installed()
 
 
 @pytest.mark.parametrize("isa", ["avx2", "portable"])

@@ -917,21 +917,23 @@ float* panel_buffer(int64_t floats) {
 // the range. int8 weights are widened in registers by every block of rows that reads them: up to the
 // 32 rows the few-row kernel takes, that was faster than widening each panel once into a buffer.
 //
-// Past kGroupFrom rows, x no longer fits in L1 beside a panel (32 rows of 512 floats are 64 KB), and
+// Past kRowGroupFrom rows, x no longer fits in L1 beside a panel (32 rows of 512 floats are 64 KB), and
 // every panel would read all of it from L2. There the panels go in chunks of kChunkPanels, and each
-// chunk takes the rows a group at a time (16 KB of x stays in L1 across the chunk's panels, whose
-// weights, read from memory by the first group, stay in L2 for the others). Only the order in which
+// chunk takes the rows a group at a time (16 KB of x, and never under 4 rows, stays in L1 across the
+// chunk's panels, whose
+// weights, read from memory by the first group, stay in L2 for the others; past 1,024 terms the 4 rows
+// are more than 16 KB). Only the order in which
 // (row, output) pairs are computed changes, not the operations of any one: the same bits as panel by
 // panel. `tools/bench_matmul.py --rows 24 32 --best-of 15` on the Xeon VM, in turns, us a call, panel by
 // panel -> in groups, at 32 rows: 512x512 139-153 -> 125-126, 1024x512 313-330 -> 263-269, 512x1024
 // 285-332 -> 226-235, 4000x512 1291-1317 -> 1087-1094; at 24 rows 512x512 109-110 -> 95, 1024x512
 // 238-246 -> 206-210. With `--from-memory 384` the two stay within this VM's spread. At 12-16 rows
 // (x fits) the groups gained nothing, so they start past 16.
-constexpr int64_t kGroupFrom = 16, kGroupBytes = 16 << 10, kChunkPanels = 16;
+constexpr int64_t kRowGroupFrom = 16, kRowGroupBytes = 16 << 10, kChunkPanels = 16;
 
 // Rows of x a group takes: 16 KB of them (8 rows of 512 floats), a multiple of 4, at least 4.
-INKLING_INLINE int64_t group_rows(int64_t H) {
-  return std::max<int64_t>(4, kGroupBytes / (4 * std::max<int64_t>(1, H)) / 4 * 4);
+INKLING_INLINE int64_t row_group_rows(int64_t H) {
+  return std::max<int64_t>(4, kRowGroupBytes / (4 * std::max<int64_t>(1, H)) / 4 * 4);
 }
 
 template <int W, typename T>
@@ -939,11 +941,11 @@ INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w
                                 int64_t o0, int64_t o1, float* y) {
   const int64_t quarter = (o1 - o0) / 4, rest = o0 + 4 * quarter;
   const int64_t ahead = n > 2 ? w_o : std::is_same_v<T, int8_t> ? std::max<int64_t>(w_o, 2048) : 0;
-  if (n <= kGroupFrom) {
+  if (n <= kRowGroupFrom) {
     for (int64_t p = o0; p < o0 + quarter; ++p)
       dot_panel_rows<W>(x, n, H, w + p * w_o, quarter * w_o, O, 4, y + p, quarter, ahead);
   } else {
-    const int64_t group = group_rows(H);
+    const int64_t group = row_group_rows(H);
     for (int64_t chunk = o0; chunk < o0 + quarter; chunk += kChunkPanels) {
       const int64_t end = std::min(chunk + kChunkPanels, o0 + quarter);
       for (int64_t r = 0; r < n; r += group)  // the first group reads the weights, asking ahead
@@ -2047,9 +2049,14 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
     // ATen call (the glue of views, silu and a product cost a batch-1 step of `small` about 0.4 ms).
     float* ge = gu + first[e] * 2 * I;
     float* ae = act + first[e] * I;
+    auto silu_mul_rows = [&] {  // on the intra-op pool, as the GEMMs are: a busy expert has many rows
+      at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+        matmul_choice().silu_mul(ge + begin * 2 * I, end - begin, I, ae + begin * I);
+      });
+    };
     if (quantized) {  // blocks of each bank dequantized as the GEMM goes (int8_gemm)
       int8_gemm(xs + first[e] * H, n, H, gate_up[e], gate_up_scale->data_ptr<float>() + e * 2 * I, ge, 2 * I);
-      matmul_choice().silu_mul(ge, n, I, ae);
+      silu_mul_rows();
       int8_gemm(ae, n, I, down[e], down_scale->data_ptr<float>() + e * H, ys + first[e] * H, H);
       continue;
     }
@@ -2059,7 +2066,7 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
     };
     auto g = at::from_blob(ge, {n, 2 * I}, x.options());
     at::mm_out(g, at::from_blob(xs + first[e] * H, {n, H}, x.options()), matrix(gate_up).t());
-    matmul_choice().silu_mul(ge, n, I, ae);
+    silu_mul_rows();
     auto ye = at::from_blob(ys + first[e] * H, {n, H}, x.options());
     at::mm_out(ye, at::from_blob(ae, {n, I}, x.options()), matrix(down).t());
   }
