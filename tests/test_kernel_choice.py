@@ -107,6 +107,17 @@ def test_the_op_runs_the_kernel_the_choice_names():
         assert torch.allclose(torch.ops.inkling.linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5)
 
 
+def experts_by_loop(x, idx, w, gate_up, down) -> torch.Tensor:
+    """The routed experts as a plain loop over each token's choices."""
+    I = down.shape[2]
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            gu = gate_up[idx[t, k]] @ x[t]
+            want[t] += w[t, k] * (down[idx[t, k]] @ (torch.nn.functional.silu(gu[:I]) * gu[I:]))
+    return want
+
+
 @pytest.mark.parametrize("down_ours_us, ours_serves", [(2.5, True), (4.0, False)])
 def test_an_expert_bank_takes_the_kernel_its_two_projections_are_faster_on_together(down_ours_us, ours_serves):
     """gate_up alone wins on ours (1 us against 2), down alone loses (2.5 or 4 against 2): the bank takes
@@ -124,12 +135,7 @@ def test_an_expert_bank_takes_the_kernel_its_two_projections_are_faster_on_toget
     with torch.profiler.profile() as prof:
         got = torch.ops.inkling.moe_experts(x, idx, w, *banks)
     assert any(e.name in ("aten::mm", "aten::addmm", "aten::matmul") for e in prof.events()) == (not ours_serves)
-    want = torch.zeros_like(x)  # a plain loop over each token's experts
-    for t in range(2):
-        for k in range(2):
-            gu = banks[0][idx[t, k]] @ x[t]
-            want[t] += w[t, k] * (banks[1][idx[t, k]] @ (torch.nn.functional.silu(gu[:I]) * gu[I:]))
-    assert torch.allclose(got, want, atol=1e-4)
+    assert torch.allclose(got, experts_by_loop(x, idx, w, *banks), atol=1e-4)
 
 
 @pytest.mark.parametrize("column_major", [False, True])
@@ -153,12 +159,7 @@ def test_an_expert_on_atens_gemm_runs_two_gemms_and_nothing_else_of_atens(column
     names = [e.name for e in prof.events()]
     assert names.count("aten::mm") == 2 * 3, names  # two an expert
     assert not {"aten::linear", "aten::silu", "aten::mul", "aten::narrow", "aten::select"} & set(names), names
-    want = torch.zeros_like(x)
-    for t in range(3):
-        for k in range(2):
-            gu = banks[0][idx[t, k]] @ x[t]
-            want[t] += w[t, k] * (banks[1][idx[t, k]] @ (torch.nn.functional.silu(gu[:I]) * gu[I:]))
-    assert torch.allclose(got, want, atol=1e-4)
+    assert torch.allclose(got, experts_by_loop(x, idx, w, *banks), atol=1e-4)
 
 
 def test_rows_between_measured_counts_take_the_next_one_up():

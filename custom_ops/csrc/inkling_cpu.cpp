@@ -919,16 +919,15 @@ float* panel_buffer(int64_t floats) {
 //
 // Past kRowGroupFrom rows, x no longer fits in L1 beside a panel (32 rows of 512 floats are 64 KB), and
 // every panel would read all of it from L2. There the panels go in chunks of kChunkPanels, and each
-// chunk takes the rows a group at a time (16 KB of x, and never under 4 rows, stays in L1 across the
-// chunk's panels, whose
-// weights, read from memory by the first group, stay in L2 for the others; past 1,024 terms the 4 rows
-// are more than 16 KB). Only the order in which
-// (row, output) pairs are computed changes, not the operations of any one: the same bits as panel by
-// panel. `tools/bench_matmul.py --rows 24 32 --best-of 15` on the Xeon VM, in turns, us a call, panel by
-// panel -> in groups, at 32 rows: 512x512 139-153 -> 125-126, 1024x512 313-330 -> 263-269, 512x1024
-// 285-332 -> 226-235, 4000x512 1291-1317 -> 1087-1094; at 24 rows 512x512 109-110 -> 95, 1024x512
-// 238-246 -> 206-210. With `--from-memory 384` the two stay within this VM's spread. At 12-16 rows
-// (x fits) the groups gained nothing, so they start past 16.
+// chunk takes the rows a group at a time: 16 KB of x (never under 4 rows, which pass 16 KB past 1,024
+// terms) stays in L1 across the chunk's panels, whose weights, read from memory by the first group,
+// stay in L2 for the others. Up to kRowGroupFrom rows all rows are one group and all panels one chunk.
+// Only the order in which (row, output) pairs are computed changes, not the operations of any one: the
+// same bits as panel by panel. `tools/bench_matmul.py --rows 24 32 --best-of 15` on the Xeon VM, in
+// turns, us a call, panel by panel -> in groups, at 32 rows: 512x512 139-153 -> 125-126, 1024x512
+// 313-330 -> 263-269, 512x1024 285-332 -> 226-235, 4000x512 1291-1317 -> 1087-1094; at 24 rows 512x512
+// 109-110 -> 95, 1024x512 238-246 -> 206-210. With `--from-memory 384` the two stay within this VM's
+// spread. At 12-16 rows (x fits) the groups gained nothing, so they start past 16.
 constexpr int64_t kRowGroupFrom = 16, kRowGroupBytes = 16 << 10, kChunkPanels = 16;
 
 // Rows of x a group takes: 16 KB of them (8 rows of 512 floats), a multiple of 4, at least 4.
@@ -941,18 +940,14 @@ INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w
                                 int64_t o0, int64_t o1, float* y) {
   const int64_t quarter = (o1 - o0) / 4, rest = o0 + 4 * quarter;
   const int64_t ahead = n > 2 ? w_o : std::is_same_v<T, int8_t> ? std::max<int64_t>(w_o, 2048) : 0;
-  if (n <= kRowGroupFrom) {
-    for (int64_t p = o0; p < o0 + quarter; ++p)
-      dot_panel_rows<W>(x, n, H, w + p * w_o, quarter * w_o, O, 4, y + p, quarter, ahead);
-  } else {
-    const int64_t group = row_group_rows(H);
-    for (int64_t chunk = o0; chunk < o0 + quarter; chunk += kChunkPanels) {
-      const int64_t end = std::min(chunk + kChunkPanels, o0 + quarter);
-      for (int64_t r = 0; r < n; r += group)  // the first group reads the weights, asking ahead
-        for (int64_t p = chunk; p < end; ++p)
-          dot_panel_rows<W>(x + r * H, std::min(group, n - r), H, w + p * w_o, quarter * w_o, O, 4,
-                            y + r * O + p, quarter, r == 0 ? ahead : 0);
-    }
+  const bool grouped = n > kRowGroupFrom;
+  const int64_t group = grouped ? row_group_rows(H) : n, chunk_panels = grouped ? kChunkPanels : quarter;
+  for (int64_t chunk = o0; chunk < o0 + quarter; chunk += chunk_panels) {
+    const int64_t end = std::min(chunk + chunk_panels, o0 + quarter);
+    for (int64_t r = 0; r < n; r += group)  // the first group reads the weights, asking ahead
+      for (int64_t p = chunk; p < end; ++p)
+        dot_panel_rows<W>(x + r * H, std::min(group, n - r), H, w + p * w_o, quarter * w_o, O, 4, y + r * O + p,
+                          quarter, r == 0 ? ahead : 0);
   }
   for (int64_t o = rest; o < o1; ++o) dot_panel_rows<W>(x, n, H, w + o * w_o, 0, O, 1, y + o, 0, ahead);
 }
