@@ -37,6 +37,11 @@ def _cases():
         w = r(1030, 333) if layout == "W" else _column_major(r(1030, 333))
         for rows in (1, 3, 5, 16):
             yield f"linear {layout} rows={rows}", "linear", (r(rows, 333), w), ()
+    for layout in ("W", "W^T"):  # int8 past one block of rows: each panel widened once into a float buffer
+        q = torch.randint(-127, 128, (1030, 333), generator=g, dtype=torch.int8)
+        q = q if layout == "W" else _column_major(q)
+        for rows in (3, 5, 16, 17, 32):
+            yield f"linear_int8 {layout} rows={rows}", "linear_int8", (r(rows, 333), q, torch.rand(1030, generator=g) / 100), ()
     for layout in ("W", "W^T"):
         gate_up, down = r(7, 300, 200) / 14, r(7, 200, 150) / 12  # unit-scale activations
         if layout == "W^T":

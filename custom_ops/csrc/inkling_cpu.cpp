@@ -881,10 +881,11 @@ INKLING_INLINE void dot_panel(const float* x, int64_t H, const T* w, int64_t w_c
 // One panel for all n rows, in blocks of rows that each read the panel's weights: from memory in the
 // first block, from L1 in the others. Rows go 4 at a time where there are 32 registers (16
 // accumulators), 2 at a time where there are 16.
+template <int W> constexpr int kDotRows = W == 16 ? 4 : 2;
 template <int W, typename T>
 INKLING_INLINE void dot_panel_rows(const float* x, int64_t n, int64_t H, const T* w, int64_t w_c, int64_t O,
                                    int width, float* y, int64_t y_c, int64_t ahead) {
-  constexpr int kRows = W == 16 ? 4 : 2;
+  constexpr int kRows = kDotRows<W>;
   int64_t r = 0;
   for (; r + kRows <= n; r += kRows) dot_panel<W, kRows>(x + r * H, H, w, w_c, O, width, y + r * O, y_c, ahead);
   switch (n - r) {
@@ -895,11 +896,14 @@ INKLING_INLINE void dot_panel_rows(const float* x, int64_t n, int64_t H, const T
   }
 }
 
-// The calling thread's buffer for a strip of an int8 W^T widened to floats (axpy_rows_outputs).
+// The calling thread's buffer for int8 weights widened to floats (dot_outputs, axpy_rows_outputs),
+// aligned to a cache line: a vector that straddled two lines would cost every read of it two.
 float* panel_buffer(int64_t floats) {
   thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
-  return buffer.data();
+  constexpr int64_t kLineFloats = 16;
+  if (static_cast<int64_t>(buffer.size()) < floats + kLineFloats) buffer.resize(floats + kLineFloats);
+  const auto at = reinterpret_cast<std::uintptr_t>(buffer.data());
+  return buffer.data() + (kLineFloats - at / 4 % kLineFloats) % kLineFloats;
 }
 
 // W's layout, outputs [o0, o1). A panel's four outputs lie a quarter of the range apart, so the weight
@@ -914,8 +918,11 @@ float* panel_buffer(int64_t floats) {
 // From three rows, the multiply-adds between loads leave them short with either type, and each stream
 // asks for its next row. The rest of the range (under 4 outputs) goes one output at a
 // time. Which panel an output lands in changes no operation on it: the result is the same whatever
-// the range. int8 weights are widened in registers by every block of rows that reads them: up to the
-// 32 rows the few-row kernel takes, that was faster than widening each panel once into a buffer.
+// the range. int8 weights read by one block of rows (up to 4 rows; 2 on AVX2) are widened in registers;
+// past that each panel is widened once into a cache-line-aligned buffer of floats that every block
+// reads, where widening it in every block put two conversions beside every four multiply-adds (on the
+// Xeon VM, tools/bench_matmul.py --int8 --rows 16 32, us a call in cache, 32 rows:
+// 512x512 175 -> 142, 1024x512 352 -> 292, 4000x512 1395 -> 1128; 16 rows: 512x512 90 -> 72).
 //
 // Past kRowGroupFrom rows, x no longer fits in L1 beside a panel (32 rows of 512 floats are 64 KB), and
 // every panel would read all of it from L2. There the panels go in chunks of kChunkPanels, and each
@@ -935,19 +942,49 @@ INKLING_INLINE int64_t row_group_rows(int64_t H) {
   return std::max<int64_t>(4, kRowGroupBytes / (4 * std::max<int64_t>(1, H)) / 4 * 4);
 }
 
+// A panel's four int8 weight rows (w + c * w_c, H terms each) widened to floats, row c at out + c * H,
+// asking for each stream's bytes `ahead` elements further on, one line at a time.
+template <int W>
+INKLING_INLINE void widen_panel(const int8_t* w, int64_t w_c, int64_t H, float* out, int64_t ahead) {
+  int64_t h = 0;
+  for (; h + W <= H; h += W) {
+    if (ahead > 0 && starts_line<W, int8_t>(h))
+      for (int c = 0; c < 4; ++c) __builtin_prefetch(w + c * w_c + ahead + h, 0, 2);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) storev<W>(out + c * H + h, loadw<W>(w + c * w_c + h));
+  }
+  for (; h < H; ++h)
+    for (int c = 0; c < 4; ++c) out[c * H + h] = static_cast<float>(w[c * w_c + h]);
+}
+
 template <int W, typename T>
 INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
                                 int64_t o0, int64_t o1, float* y) {
   const int64_t quarter = (o1 - o0) / 4, rest = o0 + 4 * quarter;
   const int64_t ahead = n > 2 ? w_o : std::is_same_v<T, int8_t> ? std::max<int64_t>(w_o, 2048) : 0;
   const bool grouped = n > kRowGroupFrom;
-  const int64_t group = grouped ? row_group_rows(H) : n, chunk_panels = grouped ? kChunkPanels : quarter;
+  const int64_t group = grouped ? row_group_rows(H) : n;
+  // An int8 panel that more than one block of rows reads is widened once, into a buffer of floats that
+  // every block reads (a chunk's panels side by side, or one panel at a time below kRowGroupFrom rows).
+  const bool widen_once = std::is_same_v<T, int8_t> && n > kDotRows<W>;
+  const int64_t chunk_panels = grouped ? kChunkPanels : widen_once ? 1 : quarter;
+  float* widened = widen_once ? panel_buffer(std::min(chunk_panels, std::max<int64_t>(1, quarter)) * 4 * H) : nullptr;
   for (int64_t chunk = o0; chunk < o0 + quarter; chunk += chunk_panels) {
     const int64_t end = std::min(chunk + chunk_panels, o0 + quarter);
     for (int64_t r = 0; r < n; r += group)  // the first group reads the weights, asking ahead
-      for (int64_t p = chunk; p < end; ++p)
-        dot_panel_rows<W>(x + r * H, std::min(group, n - r), H, w + p * w_o, quarter * w_o, O, 4, y + r * O + p,
-                          quarter, r == 0 ? ahead : 0);
+      for (int64_t p = chunk; p < end; ++p) {
+        const int64_t rows = std::min(group, n - r);
+        if constexpr (std::is_same_v<T, int8_t>) {
+          if (widen_once) {
+            float* panel = widened + (p - chunk) * 4 * H;
+            if (r == 0) widen_panel<W>(w + p * w_o, quarter * w_o, H, panel, ahead);
+            dot_panel_rows<W>(x + r * H, rows, H, static_cast<const float*>(panel), H, O, 4, y + r * O + p, quarter, 0);
+            continue;
+          }
+        }
+        dot_panel_rows<W>(x + r * H, rows, H, w + p * w_o, quarter * w_o, O, 4, y + r * O + p, quarter,
+                          r == 0 ? ahead : 0);
+      }
   }
   for (int64_t o = rest; o < o1; ++o) dot_panel_rows<W>(x, n, H, w + o * w_o, 0, O, 1, y + o, 0, ahead);
 }
