@@ -613,19 +613,21 @@ def test_sconv_checkpoint_saves_each_boundarys_window_as_a_plain_loop_does():
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("ring_size", [8, 11])
-def test_ring_checkpoint_saves_the_window_before_each_boundary_as_a_plain_loop_does(ring_size):
+@pytest.mark.parametrize("ring_size, dtype", [(8, torch.float32), (11, torch.float32), (11, torch.bfloat16)])
+def test_ring_checkpoint_saves_the_window_before_each_boundary_as_a_plain_loop_does(ring_size, dtype):
     """Positions before the chunk come from the row's ring, the rest from the chunk's keys; entries of
     positions outside the window (or before 0) are zero, laid out as a slot's ring holds them."""
     g = torch.Generator().manual_seed(42 + ring_size)
     W, R, nkv, hd = 8, ring_size, 2, 4
-    k, v = torch.randn(30, nkv, hd, generator=g), torch.randn(30, nkv, hd, generator=g)
-    k_ring, v_ring = torch.randn(5 * R, nkv, hd, generator=g), torch.randn(5 * R, nkv, hd, generator=g)
+    k, v = torch.randn(30, nkv, hd, generator=g).to(dtype), torch.randn(30, nkv, hd, generator=g).to(dtype)
+    k_ring = torch.randn(5 * R, nkv, hd, generator=g).to(dtype)
+    v_ring = torch.randn(5 * R, nkv, hd, generator=g).to(dtype)
     qsl, slots = torch.tensor([0, 10, 30], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32)
     positions = torch.cat([torch.arange(20, 30), torch.arange(0, 20)])  # row 0 continues at 20, row 1 starts
     rows, boundaries, indices = (torch.tensor([0, 0, 1, 1], dtype=torch.int32), torch.tensor([21, 30, 5, 16]),
                                  torch.tensor([2, 0, 3, 1]))
-    k_saved, v_saved = torch.randn(3, 4 * R, nkv, hd, generator=g), torch.randn(3, 4 * R, nkv, hd, generator=g)
+    k_saved = torch.randn(3, 4 * R, nkv, hd, generator=g).to(dtype)
+    v_saved = torch.randn(3, 4 * R, nkv, hd, generator=g).to(dtype)
     want = [k_saved.clone(), v_saved.clone()]
     for r, b, i in zip(rows.tolist(), boundaries.tolist(), indices.tolist()):
         first, start = int(positions[qsl[r]]), int(qsl[r])
@@ -637,3 +639,22 @@ def test_ring_checkpoint_saves_the_window_before_each_boundary_as_a_plain_loop_d
     torch.ops.inkling.ring_checkpoint(k, v, k_ring, v_ring, *got, 2, qsl, positions, slots, rows, boundaries, indices, R,
                                       W)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda a: a.update(indices=torch.tensor([4])), "checkpoint index 4 out of range"),
+    (lambda a: a.update(rows=torch.tensor([2], dtype=torch.int32)), "names row 2"),
+    (lambda a: a.update(slots=torch.tensor([9, 0], dtype=torch.int32)), "slot 9 out of range"),
+    (lambda a: a.update(layer=3), "layer 3 out of range")])
+def test_ring_checkpoint_refuses_what_is_out_of_range_by_name(edit, message):
+    """A checkpoint slot past the saved rows, a row the chunk does not have, a slot past the rings or a
+    layer past the stack is an error naming it, not a write out of bounds."""
+    R, z = 4, torch.zeros
+    args = dict(rows=torch.tensor([0], dtype=torch.int32), slots=torch.tensor([1, 0], dtype=torch.int32),
+                indices=torch.tensor([1]), layer=0)
+    edit(args)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.inkling.ring_checkpoint(z(6, 1, 2), z(6, 1, 2), z(2 * R, 1, 2), z(2 * R, 1, 2), z(1, 4 * R, 1, 2),
+                                          z(1, 4 * R, 1, 2), args["layer"], torch.tensor([0, 3, 6], dtype=torch.int32),
+                                          torch.tensor([5, 6, 7, 0, 1, 2]), args["slots"], args["rows"],
+                                          torch.tensor([6]), args["indices"], R, 3)
