@@ -26,6 +26,7 @@ from .cache.pool import each_layer
 from .checks import option_bool, option_int
 from .errors import OptionError
 from .graphs import Buckets, CompiledStep, choose_buckets, package
+from .host_memory import keep_freed_memory
 from .kv_layout import pages_for
 from .model import InklingForCausalLM
 from .parallel.ranks import StepChannel
@@ -79,6 +80,8 @@ class Worker:
                  tensor_parallel: bool = False):
         config = model.config
         self.model, self.config, self.device = model, config, device
+        if device.type == "cpu":
+            keep_freed_memory()  # a prefill's buffers stay mapped between prompts (host_memory.py)
         for name, flag in (("compile", compile), ("graph_per_bucket", graph_per_bucket),
                            ("specialize_batch_one", specialize_batch_one), ("layer_transfer", layer_transfer),
                            ("prefix_cache", prefix_cache), ("compile_extend", compile_extend)):
