@@ -8,17 +8,19 @@ them faulted in and zeroed afresh. `tools/prefill_faults.py` on the Xeon VM (32 
 `small`, one thread), as it is and with INKLING_KEEP_FREED_MEMORY=0, four runs in turns: 0-512 minor
 page faults a prefill against 29,600-68,900; 0.96-0.98 s against 1.10-1.18 s in the quieter pair, the
 others within the VM's spread; 0-100 MB more resident (1,236-1,332 MB against 1,212-1,237). The cost is
-that memory: up to TRIM_THRESHOLD of free heap stays with the process.
+that memory: blocks up to 32 MB that used to be unmapped when freed now stay in the heap (glibc never
+trims below its top), and up to TRIM_THRESHOLD of free memory stays at the top of each arena (one per
+thread that allocates, up to glibc's limit), so a process may keep more than 128 MB it is not using.
 
 A decode step allocates nothing large (its buffers are static), so this is about prefill. It is a
 setting of the whole process, made once by the first CPU worker; INKLING_KEEP_FREED_MEMORY=0 leaves
-glibc as it was. Other C libraries (musl) and other systems are left alone.
+glibc as it was. Other C libraries (musl) and other systems are left alone; an allocator preloaded in
+glibc's place (jemalloc, tcmalloc) gets the same call, which it may accept and ignore.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import platform
@@ -54,12 +56,15 @@ def _set_thresholds() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        # mallopt returns 1 on success; setting either also stops glibc moving the thresholds itself
-        ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own malloc: glibc's, or one preloaded in its place
     except (OSError, AttributeError) as e:
-        log.debug("glibc's malloc thresholds left as they were: %s", e)
+        log.debug("malloc's thresholds left as they were: %s", e)
         return False
-    log.debug("glibc's malloc keeps blocks up to %d MB on its heap and %d MB free before trimming",
-              MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
-    return ok
+    # mallopt returns 1 when it takes a setting; either one also stops glibc moving the thresholds itself
+    took = [mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1, mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1]
+    if all(took):
+        log.debug("malloc keeps blocks up to %d MB on its heap and %d MB free before trimming",
+                  MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
+    else:
+        log.debug("malloc refused its thresholds (mmap %s, trim %s)", *("taken" if t else "refused" for t in took))
+    return all(took)

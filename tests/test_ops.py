@@ -642,19 +642,23 @@ def test_ring_checkpoint_saves_the_window_before_each_boundary_as_a_plain_loop_d
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda a: a.update(indices=torch.tensor([4])), "checkpoint index 4 out of range"),
-    (lambda a: a.update(rows=torch.tensor([2], dtype=torch.int32)), "names row 2"),
+    (lambda a: a.update(indices=torch.tensor([2, 4])), "checkpoint index 4 out of range"),
+    (lambda a: a.update(rows=torch.tensor([1, 2], dtype=torch.int32)), "names row 2"),
     (lambda a: a.update(slots=torch.tensor([9, 0], dtype=torch.int32)), "slot 9 out of range"),
-    (lambda a: a.update(layer=3), "layer 3 out of range")])
+    (lambda a: a.update(layer=3), "layer 3 out of range"),
+    (lambda a: a.update(positions=torch.tensor([5])), "1 positions for a chunk of 6 tokens")])
 def test_ring_checkpoint_refuses_what_is_out_of_range_by_name(edit, message):
-    """A checkpoint slot past the saved rows, a row the chunk does not have, a slot past the rings or a
-    layer past the stack is an error naming it, not a write out of bounds."""
-    R, z = 4, torch.zeros
-    args = dict(rows=torch.tensor([0], dtype=torch.int32), slots=torch.tensor([1, 0], dtype=torch.int32),
-                indices=torch.tensor([1]), layer=0)
+    """A checkpoint slot past the saved rows, a row the chunk does not have, a slot past the rings, a
+    layer past the stack or positions short of the chunk is an error naming it, not a read or write out
+    of bounds; a valid checkpoint before the bad one is not written either."""
+    R, g = 4, torch.Generator().manual_seed(3)
+    args = dict(rows=torch.tensor([1, 0], dtype=torch.int32), slots=torch.tensor([1, 0], dtype=torch.int32),
+                indices=torch.tensor([2, 1]), layer=0, positions=torch.tensor([5, 6, 7, 0, 1, 2]))
     edit(args)
+    saved = [torch.full((1, 4 * R, 1, 2), 7.0) for _ in range(2)]
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.inkling.ring_checkpoint(z(6, 1, 2), z(6, 1, 2), z(2 * R, 1, 2), z(2 * R, 1, 2), z(1, 4 * R, 1, 2),
-                                          z(1, 4 * R, 1, 2), args["layer"], torch.tensor([0, 3, 6], dtype=torch.int32),
-                                          torch.tensor([5, 6, 7, 0, 1, 2]), args["slots"], args["rows"],
-                                          torch.tensor([6]), args["indices"], R, 3)
+        torch.ops.inkling.ring_checkpoint(*(torch.randn(*shape, generator=g) for shape in ((6, 1, 2),) * 2),
+                                          *(torch.randn(2 * R, 1, 2, generator=g) for _ in range(2)), *saved,
+                                          args["layer"], torch.tensor([0, 3, 6], dtype=torch.int32), args["positions"],
+                                          args["slots"], args["rows"], torch.tensor([3, 6]), args["indices"], R, 3)
+    assert all(bool((s == 7.0).all()) for s in saved)

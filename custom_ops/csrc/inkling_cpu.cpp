@@ -295,12 +295,20 @@ void ring_checkpoint(const at::Tensor& k, const at::Tensor& v, const at::Tensor&
   const int64_t *rows = rows_t.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>(),
                 *into = into_t.data_ptr<int64_t>(), *qsl = qsl_t.data_ptr<int64_t>(), *pos = pos_t.data_ptr<int64_t>(),
                 *slots = slots_t.data_ptr<int64_t>();
+  // Everything checked before anything is written. Two checkpoints with one index would race (the
+  // reference's scatter is as undefined there); the engine's checkpoints each have their own.
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(rows[i] >= 0 && rows[i] + 1 < qsl_t.size(0) && qsl[rows[i]] >= 0 && qsl[rows[i]] < T &&
                     rows[i] < slots_t.size(0),
                 "ring_checkpoint: checkpoint ", i, " names row ", rows[i], ", which has no tokens in this chunk");
+    TORCH_CHECK(qsl[rows[i]] < pos_t.size(0), "ring_checkpoint: ", pos_t.size(0), " positions for a chunk of ", T,
+                " tokens");
     TORCH_CHECK(into[i] >= 0 && (into[i] + 1) * R <= k_saved.size(1) && (into[i] + 1) * R <= v_saved.size(1),
                 "ring_checkpoint: checkpoint index ", into[i], " out of range");
+    const int64_t slot = slots[rows[i]];
+    TORCH_CHECK(bounds[i] - window >= pos[qsl[rows[i]]] ||  // every entry from the chunk, or zero
+                    (slot >= 0 && (slot + 1) * R <= k_ring.size(0) && (slot + 1) * R <= v_ring.size(0)),
+                "ring_checkpoint: slot ", slot, " out of range");
   }
   TORCH_CHECK(layer >= 0 && layer < k_saved.size(0) && layer < v_saved.size(0), "ring_checkpoint: layer ", layer,
               " out of range");
@@ -320,7 +328,6 @@ void ring_checkpoint(const at::Tensor& k, const at::Tensor& v, const at::Tensor&
     const auto* from_ring = static_cast<const char*>(ring.data_ptr());
     const int64_t ring_stride = ring.stride(0) * ring.element_size(), saved_stride = saved.stride(1) * saved.element_size();
     auto* out = static_cast<char*>(saved.data_ptr()) + layer * saved.stride(0) * saved.element_size();
-    const int64_t ring_rows = ring.size(0);
     at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t start = qsl[rows[i]], first = pos[start], oldest = bounds[i] - window;
@@ -333,9 +340,7 @@ void ring_checkpoint(const at::Tensor& k, const at::Tensor& v, const at::Tensor&
             const int64_t t = std::min(std::max<int64_t>(start + p - first, 0), T - 1);
             std::memcpy(dst, from_chunk + t * bytes, bytes);
           } else {
-            const int64_t at = slots[rows[i]] * R + e;
-            TORCH_CHECK(at >= 0 && at < ring_rows, "ring_checkpoint: slot ", slots[rows[i]], " out of range");
-            std::memcpy(dst, from_ring + at * ring_stride, bytes);
+            std::memcpy(dst, from_ring + (slots[rows[i]] * R + e) * ring_stride, bytes);
           }
         }
       }
@@ -988,21 +993,25 @@ float* panel_buffer(int64_t floats) {
 // the range. int8 weights read by one block of rows (up to 4 rows; 2 on AVX2) are widened in registers;
 // past that each panel is widened once into a cache-line-aligned buffer of floats that every block
 // reads, where widening it in every block put two conversions beside every four multiply-adds (on the
-// Xeon VM, tools/bench_matmul.py --int8 --rows 16 32, us a call in cache, 32 rows:
-// 512x512 175 -> 142, 1024x512 352 -> 292, 4000x512 1395 -> 1128; 16 rows: 512x512 90 -> 72).
+// Xeon VM, tools/bench_matmul.py --int8 --rows 16 32, us a call in cache, 32 rows: 512x512 174-177 ->
+// 135-139, 1024x512 350 -> 275-287; 16 rows: 512x512 88-90 -> 72-74; see the README's int8 section).
 //
 // Past kRowGroupFrom rows, x no longer fits in L1 beside a panel (32 rows of 512 floats are 64 KB), and
 // every panel would read all of it from L2. There the panels go in chunks of kChunkPanels, and each
 // chunk takes the rows a group at a time: 16 KB of x (never under 4 rows, which pass 16 KB past 1,024
 // terms) stays in L1 across the chunk's panels, whose weights, read from memory by the first group,
-// stay in L2 for the others. Up to kRowGroupFrom rows all rows are one group and all panels one chunk.
+// stay in L2 for the others. Up to kRowGroupFrom rows all rows are one group and all panels one chunk
+// (an int8 weight widened once: one panel a chunk, its buffer 4 rows of floats). A widened chunk is
+// four times its int8 bytes, so past 512 terms it takes fewer panels (kWidenedChunkBytes): a bound for
+// caches smaller than this VM's 2 MB L2 and on the buffer (at 512x1024 and 32 rows the two stayed
+// within this VM's spread).
 // Only the order in which (row, output) pairs are computed changes, not the operations of any one: the
 // same bits as panel by panel. `tools/bench_matmul.py --rows 24 32 --best-of 15` on the Xeon VM, in
 // turns, us a call, panel by panel -> in groups, at 32 rows: 512x512 139-153 -> 125-126, 1024x512
 // 313-330 -> 263-269, 512x1024 285-332 -> 226-235, 4000x512 1291-1317 -> 1087-1094; at 24 rows 512x512
 // 109-110 -> 95, 1024x512 238-246 -> 206-210. With `--from-memory 384` the two stay within this VM's
 // spread. At 12-16 rows (x fits) the groups gained nothing, so they start past 16.
-constexpr int64_t kRowGroupFrom = 16, kRowGroupBytes = 16 << 10, kChunkPanels = 16;
+constexpr int64_t kRowGroupFrom = 16, kRowGroupBytes = 16 << 10, kChunkPanels = 16, kWidenedChunkBytes = 128 << 10;
 
 // Rows of x a group takes: 16 KB of them (8 rows of 512 floats), a multiple of 4, at least 4.
 INKLING_INLINE int64_t row_group_rows(int64_t H) {
@@ -1034,7 +1043,8 @@ INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w
   // An int8 panel that more than one block of rows reads is widened once, into a buffer of floats that
   // every block reads (a chunk's panels side by side, or one panel at a time below kRowGroupFrom rows).
   const bool widen_once = std::is_same_v<T, int8_t> && n > kDotRows<W>;
-  const int64_t chunk_panels = grouped ? kChunkPanels : widen_once ? 1 : quarter;
+  const int64_t widened_panels = std::clamp<int64_t>(kWidenedChunkBytes / (16 * std::max<int64_t>(1, H)), 1, kChunkPanels);
+  const int64_t chunk_panels = grouped ? (widen_once ? widened_panels : kChunkPanels) : widen_once ? 1 : quarter;
   float* widened = widen_once ? panel_buffer(std::min(chunk_panels, std::max<int64_t>(1, quarter)) * 4 * H) : nullptr;
   for (int64_t chunk = o0; chunk < o0 + quarter; chunk += chunk_panels) {
     const int64_t end = std::min(chunk + chunk_panels, o0 + quarter);
