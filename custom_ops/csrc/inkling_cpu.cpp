@@ -298,15 +298,14 @@ void ring_checkpoint(const at::Tensor& k, const at::Tensor& v, const at::Tensor&
   // Everything checked before anything is written. Two checkpoints with one index would race (the
   // reference's scatter is as undefined there); the engine's checkpoints each have their own.
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(rows[i] >= 0 && rows[i] + 1 < qsl_t.size(0) && qsl[rows[i]] >= 0 && qsl[rows[i]] < T &&
-                    rows[i] < slots_t.size(0),
-                "ring_checkpoint: checkpoint ", i, " names row ", rows[i], ", which has no tokens in this chunk");
-    TORCH_CHECK(qsl[rows[i]] < pos_t.size(0), "ring_checkpoint: ", pos_t.size(0), " positions for a chunk of ", T,
-                " tokens");
+    const int64_t row = rows[i];
+    TORCH_CHECK(row >= 0 && row + 1 < qsl_t.size(0) && row < slots_t.size(0) && qsl[row] >= 0 && qsl[row] < T,
+                "ring_checkpoint: checkpoint ", i, " names row ", row, ", which has no tokens in this chunk");
+    const int64_t start = qsl[row], slot = slots[row];
+    TORCH_CHECK(start < pos_t.size(0), "ring_checkpoint: ", pos_t.size(0), " positions for a chunk of ", T, " tokens");
     TORCH_CHECK(into[i] >= 0 && (into[i] + 1) * R <= k_saved.size(1) && (into[i] + 1) * R <= v_saved.size(1),
                 "ring_checkpoint: checkpoint index ", into[i], " out of range");
-    const int64_t slot = slots[rows[i]];
-    TORCH_CHECK(bounds[i] - window >= pos[qsl[rows[i]]] ||  // every entry from the chunk, or zero
+    TORCH_CHECK(bounds[i] - window >= pos[start] ||  // every entry from the chunk, or zero
                     (slot >= 0 && (slot + 1) * R <= k_ring.size(0) && (slot + 1) * R <= v_ring.size(0)),
                 "ring_checkpoint: slot ", slot, " out of range");
   }
@@ -1037,21 +1036,24 @@ template <int W, typename T>
 INKLING_INLINE void dot_outputs(const float* x, int64_t n, int64_t H, const T* w, int64_t O, int64_t w_o,
                                 int64_t o0, int64_t o1, float* y) {
   const int64_t quarter = (o1 - o0) / 4, rest = o0 + 4 * quarter;
-  const int64_t ahead = n > 2 ? w_o : std::is_same_v<T, int8_t> ? std::max<int64_t>(w_o, 2048) : 0;
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  const int64_t ahead = n > 2 ? w_o : kInt8 ? std::max<int64_t>(w_o, 2048) : 0;
   const bool grouped = n > kRowGroupFrom;
   const int64_t group = grouped ? row_group_rows(H) : n;
   // An int8 panel that more than one block of rows reads is widened once, into a buffer of floats that
-  // every block reads (a chunk's panels side by side, or one panel at a time below kRowGroupFrom rows).
-  const bool widen_once = std::is_same_v<T, int8_t> && n > kDotRows<W>;
-  const int64_t widened_panels = std::clamp<int64_t>(kWidenedChunkBytes / (16 * std::max<int64_t>(1, H)), 1, kChunkPanels);
-  const int64_t chunk_panels = grouped ? (widen_once ? widened_panels : kChunkPanels) : widen_once ? 1 : quarter;
+  // every block reads: a chunk's panels side by side (a panel is 16 * H bytes widened), or one panel at
+  // a time below kRowGroupFrom rows.
+  const bool widen_once = kInt8 && n > kDotRows<W>;
+  int64_t chunk_panels = grouped ? kChunkPanels : quarter;
+  if (widen_once)
+    chunk_panels = grouped ? std::clamp<int64_t>(kWidenedChunkBytes / (16 * std::max<int64_t>(1, H)), 1, kChunkPanels) : 1;
   float* widened = widen_once ? panel_buffer(std::min(chunk_panels, std::max<int64_t>(1, quarter)) * 4 * H) : nullptr;
   for (int64_t chunk = o0; chunk < o0 + quarter; chunk += chunk_panels) {
     const int64_t end = std::min(chunk + chunk_panels, o0 + quarter);
     for (int64_t r = 0; r < n; r += group)  // the first group reads the weights, asking ahead
       for (int64_t p = chunk; p < end; ++p) {
         const int64_t rows = std::min(group, n - r);
-        if constexpr (std::is_same_v<T, int8_t>) {
+        if constexpr (kInt8) {
           if (widen_once) {
             float* panel = widened + (p - chunk) * 4 * H;
             if (r == 0) widen_panel<W>(w + p * w_o, quarter * w_o, H, panel, ahead);
