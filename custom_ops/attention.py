@@ -112,25 +112,18 @@ def chunk_keys(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 def cached_extend_attention_reference(q, k, v, k_cache, v_cache, table, tau, query_start_loc, positions,
                                       cache_indices, kv_locations, block_table, page_size: int, ring_size: int,
-                                      window: int, rel_extent: int, attend=None, write=None) -> torch.Tensor:
+                                      window: int, rel_extent: int) -> torch.Tensor:
     """Packed prefill chunks over the caches: q [T, nh, hd], k/v [T, nkv, hd] the chunks' own keys,
     table [T, nh, E], tau [T] or None; positions [T] each token's position in its sequence, whose first
     positions[query_start_loc[b]] tokens are cached (a global layer's pages through `block_table`, or a
     sliding layer's ring of `ring_size` entries per slot when `window` > 0). Each row's history is read
     before its chunk's keys are written (at `kv_locations`, as `kv_write` does: a ring may reuse an entry
-    the chunk's first queries still read); then it attends as `extend_attention` does. `attend` and
-    `write`: the kernels that do those two parts (the references by default)."""
+    the chunk's first queries still read); then it attends as `extend_attention` does."""
     keys, values, key_start_loc = chunk_keys(k, v, k_cache, v_cache, query_start_loc, positions, cache_indices,
                                              block_table, page_size, ring_size, window)
-    (write or kv_write_reference)(k_cache, v_cache, k, v, kv_locations)
-    return (attend or extend_attention_reference)(q, keys, values, table, tau, query_start_loc, key_start_loc,
-                                                  window, rel_extent)
-
-
-def cached_extend_attention_cpu(*args) -> torch.Tensor:
-    """The reference's gather, with the C++ (or whichever CPU) kernels of `kv_write` and `extend_attention`."""
-    return cached_extend_attention_reference(*args, attend=torch.ops.inkling.extend_attention.default,
-                                             write=torch.ops.inkling.kv_write.default)
+    kv_write_reference(k_cache, v_cache, k, v, kv_locations)
+    return extend_attention_reference(q, keys, values, table, tau, query_start_loc, key_start_loc, window,
+                                      rel_extent)
 
 
 cached_extend_attention = define(
@@ -138,7 +131,7 @@ cached_extend_attention = define(
     "Tensor? tau, Tensor query_start_loc, Tensor positions, Tensor cache_indices, Tensor kv_locations, "
     "Tensor block_table, int page_size, int ring_size, int window, int rel_extent) -> Tensor",
     fake=lambda q, *args: torch.empty_like(q), reference=cached_extend_attention_reference,
-    cpu=cached_extend_attention_cpu, cuda=gpu_kernel("extend", "cached_extend_attention"))
+    cuda=gpu_kernel("extend", "cached_extend_attention"))
 
 
 ring_attention = define(

@@ -7,8 +7,9 @@ ring as it stands at the boundary (the W positions before it) and runs before th
 the ring. Which rows, boundaries and checkpoint slots come from the step metadata (one entry per
 checkpoint, possibly none), so a compiled extend step takes any number of them with one graph. Both
 references are index arithmetic over shapes only (no host reads, nothing sized by data), captured as
-they are on CUDA; on CPU `ring_checkpoint` has a C++ kernel (one row copy per saved entry), its
-reference's whole-tensor gathers and selects having cost a sixth of a many-prompt prefill.
+they are on CUDA; on CPU both have C++ kernels (one row copy per saved entry), their references'
+whole-tensor gathers and selects having cost a sixth of a many-prompt prefill (`ring_checkpoint`) and
+a twentieth of a long prompt's in chunks of 256 (`sconv_checkpoint`).
 """
 
 from __future__ import annotations

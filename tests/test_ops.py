@@ -582,6 +582,25 @@ def test_cached_extend_attention_reads_the_history_the_cache_holds(kernel, windo
             assert not kept.all()  # the long chunk pushes its first keys out of the ring
 
 
+@pytest.mark.parametrize("window, edit, message", [
+    (0, lambda a: a.__setitem__(9, torch.tensor([3, 7], dtype=torch.int32)), "slot 7"),
+    (0, lambda a: a.__setitem__(11, a[11] + 1000), "reads cache row"),
+    (8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9"),
+    (0, lambda a: a.__setitem__(7, torch.tensor([0, 2, 8], dtype=torch.int32)), "cover the chunk's 9 tokens")])
+def test_cached_extend_attention_refuses_a_history_outside_the_cache_by_name(window, edit, message):
+    """A row whose slot has no pages or ring, a block table pointing past the cache, or start locations
+    that miss the chunk is an error naming it, not a read out of bounds; the chunk's keys are not
+    written either."""
+    g = torch.Generator().manual_seed(37)
+    args = cached_chunk_case(g, [3, 6], [4, 9], 2, 2, 8, window=window)["args"]
+    edit(args)
+    caches = [args[3].clone(), args[4].clone()]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.inkling.cached_extend_attention(*args)
+    for cache, before in zip(args[3:5], caches):
+        torch.testing.assert_close(cache, before, rtol=0, atol=0, equal_nan=True)
+
+
 def test_cached_extend_attention_opcheck():
     g = torch.Generator().manual_seed(5)
     for window in (0, 8):
@@ -589,28 +608,53 @@ def test_cached_extend_attention_opcheck():
                               cached_chunk_case(g, [3, 6], [4, 9], 2, 2, 8, window=window)["args"])
 
 
-def test_sconv_checkpoint_saves_each_boundarys_window_as_a_plain_loop_does():
+@pytest.mark.parametrize("kernel", ["op", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sconv_checkpoint_saves_each_boundarys_window_as_a_plain_loop_does(kernel, dtype):
     """Three rows (one without initial state) and four checkpoints: boundaries one token into a chunk
     (the window is mostly the slot's), deep inside, and at the chunk's end; the other saved entries are
-    left alone."""
+    left alone. fp32 conv inputs, the windows and checkpoints in `dtype` (a bf16 pool's)."""
     g = torch.Generator().manual_seed(41)
     K1, D = 3, 5
-    x, state = torch.randn(20, D, generator=g), torch.randn(6, K1, D, generator=g)
-    saved = torch.randn(2, 8, K1, D, generator=g)  # [layers, checkpoints, K-1, D]: layer 1's are written
+    x, state = torch.randn(20, D, generator=g), torch.randn(6, K1, D, generator=g).to(dtype)
+    saved = torch.randn(2, 8, K1, D, generator=g).to(dtype)  # [layers, checkpoints, K-1, D]: layer 1's are written
     slots, has_initial = torch.tensor([4, 1, 2], dtype=torch.int32), torch.tensor([True, False, True])
     qsl = torch.tensor([0, 6, 15, 20], dtype=torch.int32)
     rows, ends, indices = torch.tensor([0, 0, 1, 2], dtype=torch.int32), torch.tensor([1, 6, 9, 17]), torch.tensor([3, 7, 1, 5])
     want = saved.clone()
     for r, e, i in zip(rows.tolist(), ends.tolist(), indices.tolist()):
-        before = state[slots[r]] if has_initial[r] else torch.zeros(K1, D)
+        before = state[slots[r]].float() if has_initial[r] else torch.zeros(K1, D)
         inputs = torch.cat([before, x[qsl[r]:e]])
-        want[1, i] = inputs[-K1:]
+        want[1, i] = inputs[-K1:].to(dtype)
+    op = torch.ops.inkling.sconv_checkpoint if kernel == "op" else KERNELS["sconv_checkpoint"]["reference"]
     got = saved.clone()
-    torch.ops.inkling.sconv_checkpoint(x, state, got, 1, slots, has_initial, qsl, rows, ends, indices)
+    op(x, state, got, 1, slots, has_initial, qsl, rows, ends, indices)
     assert torch.equal(got, want)
     empty = torch.empty(0, dtype=torch.int64)
-    torch.ops.inkling.sconv_checkpoint(x, state, got, 1, slots, has_initial, qsl, empty.int(), empty, empty)
+    op(x, state, got, 1, slots, has_initial, qsl, empty.int(), empty, empty)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda a: a.update(indices=torch.tensor([1, 8])), "checkpoint index 8 out of range"),
+    (lambda a: a.update(rows=torch.tensor([0, 2], dtype=torch.int32)), "names row 2"),
+    (lambda a: a.update(slots=torch.tensor([6, 0], dtype=torch.int32)), "slot 6 out of range"),
+    (lambda a: a.update(layer=2), "layer 2 out of range")])
+def test_sconv_checkpoint_refuses_what_is_out_of_range_by_name(edit, message):
+    """A checkpoint slot past the saved ones, a row the chunk does not have, a window slot past the pool
+    or a layer past the stack is an error naming it, not a read or write out of bounds; a valid
+    checkpoint beside the bad one is not written either."""
+    g = torch.Generator().manual_seed(43)
+    args = dict(rows=torch.tensor([0, 1], dtype=torch.int32), slots=torch.tensor([5, 0], dtype=torch.int32),
+                indices=torch.tensor([1, 2]), layer=1)
+    edit(args)
+    saved = torch.full((2, 8, 3, 4), 7.0)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.inkling.sconv_checkpoint(torch.randn(9, 4, generator=g), torch.randn(6, 3, 4, generator=g), saved,
+                                           args["layer"], args["slots"], torch.tensor([True, True]),
+                                           torch.tensor([0, 4, 9], dtype=torch.int32), args["rows"],
+                                           torch.tensor([2, 6]), args["indices"])
+    assert bool((saved == 7.0).all())
 
 
 @pytest.mark.parametrize("ring_size, dtype", [(8, torch.float32), (11, torch.float32), (11, torch.bfloat16)])

@@ -68,6 +68,12 @@ def _cases():
                                                                      torch.arange(100, 140)]),
         torch.tensor([2, 4, 1], dtype=torch.int32), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2], dtype=torch.int32),
         torch.tensor([41, 56, 70, 3, 20, 100, 117, 130, 140]), torch.tensor([9, 1, 2, 3, 4, 5, 6, 7, 8]), R, 20), (4, 5)
+    yield "sconv_checkpoint", "sconv_checkpoint", (  # 40 checkpoints of three rows (one without initial state)
+        r(90, 700), r(5, 3, 700), r(3, 50, 3, 700), 1, torch.tensor([2, 4, 1], dtype=torch.int32),
+        torch.tensor([True, False, True]), torch.tensor([0, 30, 50, 90], dtype=torch.int32),
+        torch.tensor([0] * 15 + [1] * 10 + [2] * 15, dtype=torch.int32),
+        torch.cat([torch.arange(1, 31, 2), torch.arange(31, 51, 2), torch.arange(52, 91, 2)[:15]]),
+        torch.randperm(50, generator=g)[:40]), (2,)
     pool = r(6, 3, 5000)
     yield "sconv_decode", "sconv_decode", (r(4, 5000), pool, r(5000, 4), torch.tensor([5, 0, 3, 1], dtype=torch.int32)), (1,)
     yield "sconv_extend", "sconv_extend", (

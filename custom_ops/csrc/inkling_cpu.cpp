@@ -276,6 +276,70 @@ void commit_conv_windows(at::TensorList states, at::TensorList windows, const at
   }
 }
 
+// A conv stream's prefix-cache checkpoints (custom_ops/checkpoint.py has the reference): checkpoint i of
+// row r saves in saved[layer, checkpoint_indices[i]] the K-1 inputs before packed token
+// checkpoint_ends[i], the row's own from query_start_loc[r] on and its slot's window before them (zeros
+// for a row without initial state). One row copy per saved input, split over the checkpoints. The
+// reference's dozen small gathers and selects cost 0.3-0.45 ms a call, and a 1,024-token prompt
+// prefilled in chunks of 256 makes 128 of them.
+void sconv_checkpoint(const at::Tensor& x_in, const at::Tensor& state_in, at::Tensor saved, int64_t layer,
+                      const at::Tensor& cache_indices, const at::Tensor& has_initial_state,
+                      const at::Tensor& query_start_loc, const at::Tensor& checkpoint_rows,
+                      const at::Tensor& checkpoint_ends, const at::Tensor& checkpoint_indices) {
+  const int64_t n = checkpoint_rows.size(0), K1 = state_in.size(1), T = x_in.size(0);
+  if (n == 0 || K1 == 0) return;
+  const auto longs = [](const at::Tensor& t) { return t.to(at::kLong).contiguous(); };
+  const auto rows_t = longs(checkpoint_rows), ends_t = longs(checkpoint_ends), into_t = longs(checkpoint_indices),
+             qsl_t = longs(query_start_loc), slots_t = longs(cache_indices);
+  const auto initial_t = has_initial_state.to(at::kBool).contiguous();
+  const int64_t *rows = rows_t.data_ptr<int64_t>(), *ends = ends_t.data_ptr<int64_t>(),
+                *into = into_t.data_ptr<int64_t>(), *qsl = qsl_t.data_ptr<int64_t>(), *slots = slots_t.data_ptr<int64_t>();
+  const bool* initial = initial_t.data_ptr<bool>();
+  TORCH_CHECK(x_in.dim() == 2 && state_in.dim() == 3 && saved.dim() == 4 && state_in.size(2) == x_in.size(1) &&
+                  saved.size(2) == K1 && saved.size(3) == x_in.size(1),
+              "sconv_checkpoint: x [T, D], state [slots, K-1, D] and saved [layers, checkpoints, K-1, D] expected");
+  TORCH_CHECK(ends_t.size(0) == n && into_t.size(0) == n, "sconv_checkpoint: one end and one index per checkpoint");
+  TORCH_CHECK(layer >= 0 && layer < saved.size(0), "sconv_checkpoint: layer ", layer, " out of range");
+  // Everything checked before anything is written (as ring_checkpoint does).
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = rows[i];
+    TORCH_CHECK(row >= 0 && row + 1 < qsl_t.size(0) && row < slots_t.size(0) && row < initial_t.size(0) &&
+                    qsl[row] >= 0 && qsl[row] <= T,
+                "sconv_checkpoint: checkpoint ", i, " names row ", row, ", which this chunk does not have");
+    TORCH_CHECK(into[i] >= 0 && into[i] < saved.size(1), "sconv_checkpoint: checkpoint index ", into[i], " out of range");
+    TORCH_CHECK(ends[i] - 1 < qsl[row] || T > 0, "sconv_checkpoint: checkpoint ", i, " reads a chunk of no tokens");
+    TORCH_CHECK(ends[i] - K1 >= qsl[row] || !initial[row] || (slots[row] >= 0 && slots[row] < state_in.size(0)),
+                "sconv_checkpoint: slot ", slots[row], " out of range");
+  }
+  const auto dtype = saved.scalar_type();
+  // Inputs in the checkpoints' dtype: converting one directly gives what the reference's promotion to
+  // fp32 (exact for the window's bf16) and cast give.
+  const auto x = x_in.to(dtype).contiguous();
+  const auto state = (state_in.scalar_type() == dtype ? state_in : state_in.to(dtype)).contiguous();
+  TORCH_CHECK(saved.stride(3) == 1, "sconv_checkpoint: checkpoints of contiguous rows of D expected");
+  const int64_t esize = saved.element_size(), bytes = x.size(1) * esize;
+  const auto* from_chunk = static_cast<const char*>(x.data_ptr());
+  const auto* from_state = static_cast<const char*>(state.data_ptr());
+  auto* out = static_cast<char*>(saved.data_ptr()) + layer * saved.stride(0) * esize;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = rows[i], start = qsl[row];
+      for (int64_t j = 0; j < K1; ++j) {
+        const int64_t p = ends[i] - K1 + j;  // the packed token this entry holds
+        char* dst = out + (into[i] * saved.stride(1) + j * saved.stride(2)) * esize;
+        if (p >= start) {
+          std::memcpy(dst, from_chunk + std::min(std::max<int64_t>(p, 0), T - 1) * bytes, bytes);
+        } else if (initial[row]) {
+          const int64_t w = std::min(std::max<int64_t>(K1 + p - start, 0), K1 - 1);
+          std::memcpy(dst, from_state + (slots[row] * K1 + w) * bytes, bytes);
+        } else {
+          std::memset(dst, 0, bytes);
+        }
+      }
+    }
+  });
+}
+
 // A sliding layer's prefix-cache checkpoints (custom_ops/checkpoint.py has the reference): checkpoint i
 // of row r saves in saved[layer] the ring as it stands at boundary b, laid out as a slot's ring holds
 // it (position p at entry p % R): the `window` positions before b, from the row's ring before the
@@ -726,6 +790,89 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
     }
   return decode_attention(q, k, v, table, tau, PackedKeys{ks, window}, sequence, positions, rel_extent,
                           "extend_attention");
+}
+
+// Packed prefill chunks over the caches (custom_ops/attention.py has the reference): each row's history
+// as the cache holds it before the chunk is written (a global layer's pages through block_table, or the
+// last window-1 positions of a sliding layer's ring), then its chunk's keys, gathered into packed keys
+// for extend_attention; the chunk's keys are written (kv_write) after the gather, since a ring may
+// reuse an entry the chunk's first queries still read. The reference's whole-tensor index arithmetic
+// cost about 0.8 ms a call on `small` in chunks of 256; here each key is one row copy.
+at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                                   at::Tensor v_cache, const at::Tensor& table, const std::optional<at::Tensor>& tau,
+                                   const at::Tensor& query_start_loc, const at::Tensor& positions,
+                                   const at::Tensor& cache_indices, const at::Tensor& kv_locations,
+                                   const at::Tensor& block_table, int64_t page_size, int64_t ring_size, int64_t window,
+                                   int64_t rel_extent) {
+  const auto qsl = query_start_loc.to(at::kLong).contiguous(), pos_t = positions.to(at::kLong).contiguous(),
+             slots_t = cache_indices.to(at::kLong).contiguous();
+  const int64_t rows = qsl.numel() - 1, T = k.size(0);
+  const int64_t *qs = qsl.data_ptr<int64_t>(), *pos = pos_t.data_ptr<int64_t>(), *slots = slots_t.data_ptr<int64_t>();
+  TORCH_CHECK(rows >= 0 && (rows == 0 || (qs[0] == 0 && qs[rows] == T)),
+              "cached_extend_attention: query_start_loc must cover the chunk's ", T, " tokens");
+  std::vector<int64_t> history(std::max<int64_t>(rows, 0), 0);
+  bool any_history = false;
+  for (int64_t b = 0; b < rows; ++b) {
+    TORCH_CHECK(qs[b] <= qs[b + 1], "cached_extend_attention: query_start_loc decreases at row ", b);
+    if (qs[b] == qs[b + 1]) continue;
+    TORCH_CHECK(qs[b] < pos_t.numel() && pos[qs[b]] >= 0, "cached_extend_attention: row ", b, " has no position");
+    history[b] = window > 0 ? std::min(pos[qs[b]], window - 1) : pos[qs[b]];
+    any_history = any_history || history[b] > 0;
+  }
+  at::Tensor keys = k, values = v, key_start_loc = qsl;
+  if (any_history) {
+    TORCH_CHECK(rows <= slots_t.numel(), "cached_extend_attention: one slot per row expected");
+    const auto bt = block_table.to(at::kLong).contiguous();
+    TORCH_CHECK(window > 0 ? ring_size > 0 : (page_size > 0 && bt.dim() == 2),
+                "cached_extend_attention: a ring size (sliding) or a page size and block table (global) expected");
+    const int64_t* pages = bt.data_ptr<int64_t>();
+    key_start_loc = at::empty({rows + 1}, qsl.options());
+    int64_t* ks = key_start_loc.data_ptr<int64_t>();
+    ks[0] = 0;
+    for (int64_t b = 0; b < rows; ++b) ks[b + 1] = ks[b] + history[b] + qs[b + 1] - qs[b];
+    // Each packed key's source: a cache row (>= 0) or a chunk token (-1 - t).
+    std::vector<int64_t> source(ks[rows]);
+    const int64_t cache_rows = std::min(k_cache.size(0), v_cache.size(0));
+    for (int64_t b = 0; b < rows; ++b) {
+      const int64_t first = qs[b] < qs[b + 1] ? pos[qs[b]] : 0, slot = slots[b];
+      for (int64_t j = 0; j < history[b]; ++j) {
+        const int64_t p = first - history[b] + j;
+        int64_t loc;
+        if (window > 0) {
+          loc = slot * ring_size + p % ring_size;
+        } else {
+          TORCH_CHECK(slot >= 0 && slot < bt.size(0) && p / page_size < bt.size(1),
+                      "cached_extend_attention: row ", b, " (slot ", slot, ") has no page for position ", p);
+          loc = pages[slot * bt.size(1) + p / page_size] * page_size + p % page_size;
+        }
+        TORCH_CHECK(slot >= 0 && loc >= 0 && loc < cache_rows, "cached_extend_attention: row ", b, " (slot ", slot,
+                    ") reads cache row ", loc, " of ", cache_rows);
+        source[ks[b] + j] = loc;
+      }
+      for (int64_t t = qs[b]; t < qs[b + 1]; ++t) source[ks[b] + history[b] + t - qs[b]] = -1 - t;
+    }
+    auto gather = [&](const at::Tensor& chunk, const at::Tensor& cache) {
+      TORCH_CHECK(chunk.scalar_type() == cache.scalar_type() && chunk.dim() == 3 && cache.dim() == 3 &&
+                      chunk.size(1) == cache.size(1) && chunk.size(2) == cache.size(2) && cache.stride(2) == 1 &&
+                      cache.stride(1) == cache.size(2),
+                  "cached_extend_attention: the chunk's keys and a cache of contiguous [heads, head_dim] rows of "
+                  "their dtype expected");
+      const auto c = chunk.contiguous();
+      auto out = at::empty({static_cast<int64_t>(source.size()), c.size(1), c.size(2)}, c.options());
+      const int64_t bytes = c.size(1) * c.size(2) * c.element_size(), cache_stride = cache.stride(0) * cache.element_size();
+      const auto* from_chunk = static_cast<const char*>(c.data_ptr());
+      const auto* from_cache = static_cast<const char*>(cache.data_ptr());
+      auto* to = static_cast<char*>(out.data_ptr());
+      for (size_t i = 0; i < source.size(); ++i)
+        std::memcpy(to + i * bytes, source[i] >= 0 ? from_cache + source[i] * cache_stride : from_chunk + (-1 - source[i]) * bytes,
+                    bytes);
+      return out;
+    };
+    keys = gather(k, k_cache);
+    values = gather(v, v_cache);
+  }
+  kv_write(k_cache, v_cache, k, v, kv_locations);
+  return extend_attention(q, keys, values, table, tau, qsl, key_start_loc, window, rel_extent);
 }
 
 // ---- small-M matmul: y[n, O] = x[n, H] @ W^T, W given as [O, H] in either memory layout ----------
@@ -2336,10 +2483,12 @@ TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("sconv_verify", &sconv_verify);
   m.impl("commit_conv_windows", &commit_conv_windows);
   m.impl("kv_write", &kv_write);
+  m.impl("sconv_checkpoint", &sconv_checkpoint);
   m.impl("ring_checkpoint", &ring_checkpoint);
   m.impl("paged_attention", &paged_attention);
   m.impl("ring_attention", &ring_attention);
   m.impl("extend_attention", &extend_attention);
+  m.impl("cached_extend_attention", &cached_extend_attention);
   m.impl("moe_experts", &moe_experts);
   m.impl("moe_experts_int8", &moe_experts_int8);
   m.impl("linear_int8", &linear_int8);
