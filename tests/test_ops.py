@@ -261,6 +261,15 @@ def test_kv_write_skips_negative_locations(impl):
     assert kc[[1, 2, 3, 5]].abs().sum() == 0
 
 
+def test_kv_write_refuses_a_row_past_the_cache_before_writing_any():
+    kc, vc = torch.zeros(6, 2, 3), torch.zeros(6, 2, 3)
+    with pytest.raises(RuntimeError, match="goes to cache row 6 of 6"):
+        torch.ops.inkling.kv_write(kc, vc, torch.randn(3, 2, 3), torch.randn(3, 2, 3), torch.tensor([4, 0, 6]))
+    with pytest.raises(RuntimeError, match="one location per key and value row"):
+        torch.ops.inkling.kv_write(kc, vc, torch.randn(3, 2, 3), torch.randn(2, 2, 3), torch.tensor([4, 0, 1]))
+    assert kc.abs().sum() == 0 and vc.abs().sum() == 0
+
+
 def op_samples():
     g = torch.Generator().manual_seed(2)
     pool = torch.randn(2, 6, 3, 8, generator=g)
@@ -568,8 +577,9 @@ def test_cached_extend_attention_reads_the_history_the_cache_holds(kernel, windo
     `kv_write` would put them afterwards."""
     g = torch.Generator().manual_seed(31 + window + ring_size)
     op = torch.ops.inkling.cached_extend_attention if kernel == "op" else KERNELS["cached_extend_attention"]["reference"]
-    for (nkv, group), histories in itertools.product([(1, 1), (2, 2), (1, 4)], ([0, 5, 40, 17], [0, 0, 0, 0])):
-        case = cached_chunk_case(g, [3, 1, 30, 9], histories, nkv, group, 16, window=window, ring_size=ring_size,
+    for (nkv, group), histories, chunks in itertools.product([(1, 1), (2, 2), (1, 4)], ([0, 5, 40, 17], [0, 0, 0, 0]),
+                                                            ([3, 1, 30, 9], [3, 0, 30, 9])):  # a row with no tokens
+        case = cached_chunk_case(g, chunks, histories, nkv, group, 16, window=window, ring_size=ring_size,
                                  dtype=dtype)
         got = op(*case["args"])
         want = KERNELS["extend_attention"]["reference"](*case["packed"])
@@ -586,11 +596,16 @@ def test_cached_extend_attention_reads_the_history_the_cache_holds(kernel, windo
     (0, lambda a: a.__setitem__(9, torch.tensor([3, 7], dtype=torch.int32)), "slot 7"),
     (0, lambda a: a.__setitem__(11, a[11] + 1000), "reads cache row"),
     (8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9"),
-    (0, lambda a: a.__setitem__(7, torch.tensor([0, 2, 8], dtype=torch.int32)), "cover the chunk's 9 tokens")])
+    (0, lambda a: a.__setitem__(7, torch.tensor([0, 2, 8], dtype=torch.int32)), "cover the chunk's 9 tokens"),
+    (0, lambda a: a.__setitem__(8, a[8] + 10 ** 12), "position 1000000000004, past the 16 its block table reaches"),
+    (8, lambda a: a.__setitem__(2, a[2][:2]), "k and v of one shape"),
+    (0, lambda a: a[10].__setitem__(4, a[3].shape[0]), "goes to cache row"),
+    (8, lambda a: a.__setitem__(6, torch.ones(3)), "one tau per query")])
 def test_cached_extend_attention_refuses_a_history_outside_the_cache_by_name(window, edit, message):
-    """A row whose slot has no pages or ring, a block table pointing past the cache, or start locations
-    that miss the chunk is an error naming it, not a read out of bounds; the chunk's keys are not
-    written either."""
+    """A row whose slot has no pages or ring, a block table pointing past the cache, start locations
+    that miss the chunk, a position past what the block table reaches, values short of the keys, a key
+    bound past the cache or a tau of the wrong length is an error naming it, not a read or write out of
+    bounds; the chunk's keys are not written either."""
     g = torch.Generator().manual_seed(37)
     args = cached_chunk_case(g, [3, 6], [4, 9], 2, 2, 8, window=window)["args"]
     edit(args)

@@ -415,11 +415,19 @@ void ring_checkpoint(const at::Tensor& k, const at::Tensor& v, const at::Tensor&
 void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
               const at::Tensor& locations) {
   const auto loc = locations.to(at::kLong).contiguous();
+  TORCH_CHECK(loc.numel() == k_in.size(0) && v_in.size(0) == k_in.size(0),
+              "kv_write: one location per key and value row expected");
+  const int64_t* at_row = loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < loc.numel(); ++t)  // every row checked before any is written
+    TORCH_CHECK(at_row[t] < k_cache.size(0) && at_row[t] < v_cache.size(0), "kv_write: row ", t,
+                " goes to cache row ", at_row[t], " of ", std::min(k_cache.size(0), v_cache.size(0)));
   const bool rows_contiguous = k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) &&
                                v_cache.stride(2) == 1 && v_cache.stride(1) == v_cache.size(2) &&
                                k_cache.scalar_type() == k_in.scalar_type() &&
-                               v_cache.scalar_type() == v_in.scalar_type();
-  if (!rows_contiguous) {
+                               v_cache.scalar_type() == v_in.scalar_type() && k_in.dim() == 3 && v_in.dim() == 3 &&
+                               k_in.size(1) == k_cache.size(1) && k_in.size(2) == k_cache.size(2) &&
+                               v_in.size(1) == v_cache.size(1) && v_in.size(2) == v_cache.size(2);
+  if (!rows_contiguous) {  // (index_copy_ refuses rows of another shape)
     const auto keep = loc.ge(0);
     const auto where = loc.masked_select(keep);
     k_cache.index_copy_(0, where, k_in.index({keep}));
@@ -427,18 +435,16 @@ void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, co
     return;
   }
   const auto k = k_in.contiguous(), v = v_in.contiguous();
-  const int64_t T = loc.size(0);
-  const int64_t row = k.size(1) * k.size(2) * k.element_size();
-  const int64_t* lp = loc.data_ptr<int64_t>();
+  const int64_t k_row = k.size(1) * k.size(2) * k.element_size(), v_row = v.size(1) * v.size(2) * v.element_size();
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
   const int64_t ks0 = k_cache.stride(0) * k_cache.element_size(), vs0 = v_cache.stride(0) * v_cache.element_size();
-  for (int64_t t = 0; t < T; ++t) {
-    if (lp[t] < 0) continue;
-    std::memcpy(kc + lp[t] * ks0, kp + t * row, row);
-    std::memcpy(vc + lp[t] * vs0, vp + t * row, row);
+  for (int64_t t = 0; t < loc.numel(); ++t) {
+    if (at_row[t] < 0) continue;
+    std::memcpy(kc + at_row[t] * ks0, kp + t * k_row, k_row);
+    std::memcpy(vc + at_row[t] * vs0, vp + t * v_row, v_row);
   }
 }
 
@@ -795,8 +801,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // Packed prefill chunks over the caches (custom_ops/attention.py has the reference): each row's history
 // as the cache holds it before the chunk is written (a global layer's pages through block_table, or the
 // last window-1 positions of a sliding layer's ring), then its chunk's keys, gathered into packed keys
-// for extend_attention; the chunk's keys are written (kv_write) after the gather, since a ring may
-// reuse an entry the chunk's first queries still read. The reference's whole-tensor index arithmetic
+// for extend_attention; the chunk's keys are written (kv_write) last, since a ring may reuse an entry
+// the chunk's first queries still read. The reference's whole-tensor index arithmetic
 // cost about 0.8 ms a call on `small` in chunks of 256; here each key is one row copy.
 at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                                    at::Tensor v_cache, const at::Tensor& table, const std::optional<at::Tensor>& tau,
@@ -810,35 +816,40 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   const int64_t *qs = qsl.data_ptr<int64_t>(), *pos = pos_t.data_ptr<int64_t>(), *slots = slots_t.data_ptr<int64_t>();
   TORCH_CHECK(rows >= 0 && (rows == 0 || (qs[0] == 0 && qs[rows] == T)),
               "cached_extend_attention: query_start_loc must cover the chunk's ", T, " tokens");
+  TORCH_CHECK(v.sizes() == k.sizes(), "cached_extend_attention: k and v of one shape expected");
+  const int64_t cache_rows = std::min(k_cache.size(0), v_cache.size(0));
+  const bool sliding = window > 0;
+  const auto bt = sliding ? block_table : block_table.to(at::kLong).contiguous();
+  TORCH_CHECK(sliding ? ring_size > 0 : (page_size > 0 && bt.dim() == 2),
+              "cached_extend_attention: a ring size (sliding) or a page size and block table (global) expected");
   std::vector<int64_t> history(std::max<int64_t>(rows, 0), 0);
   bool any_history = false;
   for (int64_t b = 0; b < rows; ++b) {
     TORCH_CHECK(qs[b] <= qs[b + 1], "cached_extend_attention: query_start_loc decreases at row ", b);
     if (qs[b] == qs[b + 1]) continue;
     TORCH_CHECK(qs[b] < pos_t.numel() && pos[qs[b]] >= 0, "cached_extend_attention: row ", b, " has no position");
-    history[b] = window > 0 ? std::min(pos[qs[b]], window - 1) : pos[qs[b]];
+    // A global row's history is bounded by what its block table reaches, before anything is sized by it.
+    TORCH_CHECK(sliding || pos[qs[b]] <= bt.size(1) * page_size, "cached_extend_attention: row ", b,
+                " starts at position ", pos[qs[b]], ", past the ", bt.size(1) * page_size, " its block table reaches");
+    history[b] = sliding ? std::min(pos[qs[b]], window - 1) : pos[qs[b]];
     any_history = any_history || history[b] > 0;
   }
   at::Tensor keys = k, values = v, key_start_loc = qsl;
   if (any_history) {
     TORCH_CHECK(rows <= slots_t.numel(), "cached_extend_attention: one slot per row expected");
-    const auto bt = block_table.to(at::kLong).contiguous();
-    TORCH_CHECK(window > 0 ? ring_size > 0 : (page_size > 0 && bt.dim() == 2),
-                "cached_extend_attention: a ring size (sliding) or a page size and block table (global) expected");
-    const int64_t* pages = bt.data_ptr<int64_t>();
+    const int64_t* pages = sliding ? nullptr : bt.data_ptr<int64_t>();
     key_start_loc = at::empty({rows + 1}, qsl.options());
     int64_t* ks = key_start_loc.data_ptr<int64_t>();
     ks[0] = 0;
     for (int64_t b = 0; b < rows; ++b) ks[b + 1] = ks[b] + history[b] + qs[b + 1] - qs[b];
     // Each packed key's source: a cache row (>= 0) or a chunk token (-1 - t).
     std::vector<int64_t> source(ks[rows]);
-    const int64_t cache_rows = std::min(k_cache.size(0), v_cache.size(0));
     for (int64_t b = 0; b < rows; ++b) {
       const int64_t first = qs[b] < qs[b + 1] ? pos[qs[b]] : 0, slot = slots[b];
       for (int64_t j = 0; j < history[b]; ++j) {
         const int64_t p = first - history[b] + j;
         int64_t loc;
-        if (window > 0) {
+        if (sliding) {
           loc = slot * ring_size + p % ring_size;
         } else {
           TORCH_CHECK(slot >= 0 && slot < bt.size(0) && p / page_size < bt.size(1),
@@ -871,8 +882,11 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
     keys = gather(k, k_cache);
     values = gather(v, v_cache);
   }
-  kv_write(k_cache, v_cache, k, v, kv_locations);
-  return extend_attention(q, keys, values, table, tau, qsl, key_start_loc, window, rel_extent);
+  // The attention reads the gathered keys (or the chunk's own), never the caches: run first, its own
+  // refusals (heads, tau) leave the caches as they were.
+  auto out = extend_attention(q, keys, values, table, tau, qsl, key_start_loc, window, rel_extent);
+  kv_write(k_cache, v_cache, k, v, kv_locations);  // checks every location before it writes
+  return out;
 }
 
 // ---- small-M matmul: y[n, O] = x[n, H] @ W^T, W given as [O, H] in either memory layout ----------
