@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -243,8 +244,20 @@ def copy_prompts(engine: Engine, starts: list[list[int]], overlap: int, new_toke
     return [s + g.token_ids + s + g.token_ids[:overlap] for s, g in zip(starts, generated)]
 
 
+def drafter_variants(drafters: list[str], draft_quantization: Sequence[str] = ("none",)) -> dict[str, dict]:
+    """Each speculative engine a benchmark builds, by its label: its drafter options, the MTP drafter once
+    per draft quantization ('mtp', 'mtp int8'), the others once."""
+    variants = {}
+    for kind in drafters:
+        for q in (draft_quantization if kind == "mtp" else ("none",)):
+            label = kind if q == "none" else f"{kind} {q}"
+            variants[label] = dict(speculative=kind) | ({"draft_quantization": q} if kind == "mtp" else {})
+    return variants
+
+
 def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tokens: int, drafters: list[str],
-                   K: int, threads: int = 1, rounds: int = 1, log=print) -> dict:
+                   K: int, threads: int = 1, rounds: int = 1, log=print,
+                   draft_quantization: Sequence[str] = ("none",)) -> dict:
     """Compiled speculative decoding with each drafter against compiled plain decoding on the copy workload
     (`copy_prompts`, every layer made sliding): decode tokens/s, the acceptance rate and tokens per
     request-step of the timed runs, and the speed-up, at `threads` intra-op threads."""
@@ -266,9 +279,10 @@ def run_spec_bench(configs: list[str], batches: list[int], overlap: int, new_tok
             workloads = {batch: copy_prompts(plain, _prompts(batch, start_len, seed=batch), overlap, new_tokens)
                          for batch in batches}
             replayed = replay_outputs(plain, workloads.values(), params)
-            engines = {kind: Engine.from_pretrained(
-                path, speculative=ReplayDrafter(replayed) if kind == "replay" else kind, num_speculative_tokens=K,
-                **common) for kind in drafters}
+            engines = {label: Engine.from_pretrained(
+                path, **(dict(speculative=ReplayDrafter(replayed)) if label == "replay" else options),
+                num_speculative_tokens=K, **common)
+                for label, options in drafter_variants(drafters, draft_quantization).items()}
             for batch, prompts in workloads.items():
                 results["runs"].append(_spec_rows(name, batch, prompts, plain, engines, new_tokens, K, rates, log,
                                                   rounds))
@@ -348,7 +362,8 @@ def held_out_prompts(path: str | Path) -> list[list[int]]:
 
 
 def run_model_spec_bench(path: str | Path, batches: list[int], new_tokens: int, drafters: list[str], K: int,
-                         threads: int = 1, rounds: int = 1, log=print) -> dict:
+                         threads: int = 1, rounds: int = 1, log=print,
+                         draft_quantization: Sequence[str] = ("none",)) -> dict:
     """Compiled speculative decoding with each drafter against compiled plain decoding on a checkpoint's own
     held-out prompts (batch b takes the first b, cycled), greedy: what its drafters accept on real text, at
     `threads` intra-op threads."""
@@ -365,8 +380,9 @@ def run_model_spec_bench(path: str | Path, batches: list[int], new_tokens: int, 
     depths = plain.config.num_mtp_layers or 0
     if "mtp" in drafters and K > depths:
         log(f"K={K}: mtp left out (the head has {depths} depth(s), one draft token each)")
-    engines = {kind: Engine.from_pretrained(path, speculative=kind, num_speculative_tokens=K, **common)
-               for kind in drafters if kind != "mtp" or K <= depths}
+    engines = {label: Engine.from_pretrained(path, **options, num_speculative_tokens=K, **common)
+               for label, options in drafter_variants(drafters, draft_quantization).items()
+               if options["speculative"] != "mtp" or K <= depths}
     for batch in batches:
         work = [prompts[i % len(prompts)] for i in range(batch)]
         results["runs"].append(_spec_rows(Path(path).name, batch, work, plain, engines, new_tokens, K, rates, log,

@@ -71,6 +71,7 @@ def _engine_args(args):
                 prefill_chunk_tokens=args.prefill_chunk_tokens, idle_prefill_tokens=args.idle_prefill_tokens,
                 prefix_cache=args.prefix_cache,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                draft_quantization=args.draft_quantization,
                 tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
 
 
@@ -261,10 +262,12 @@ def _bench_speculative(args: argparse.Namespace) -> int:
     for K in args.num_speculative_tokens:
         if args.model:
             by_k[K] = run_model_spec_bench(args.model, args.batches, args.new_tokens, args.speculative, K,
-                                           threads=args.threads, rounds=args.rounds)
+                                           threads=args.threads, rounds=args.rounds,
+                                           draft_quantization=args.draft_quantization)
         else:
             by_k[K] = run_spec_bench(args.configs, args.batches, args.copy_overlap, args.new_tokens, args.speculative, K,
-                                     threads=args.threads, rounds=args.rounds)
+                                     threads=args.threads, rounds=args.rounds,
+                                     draft_quantization=args.draft_quantization)
     tables = "\n\n".join(spec_table(r) for r in by_k.values())
     return _report({"by_num_speculative_tokens": by_k}, tables, args.json)
 
@@ -522,6 +525,10 @@ def _add_speculative_options(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: prompt-lookup drafts, or the checkpoint's MTP head (default: off)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=2,
                    help="draft tokens checked per request and step (with --speculative)")
+    p.add_argument("--draft-quantization", choices=["none", "int8"], default=None,
+                   help="--speculative mtp: the weights the MTP head drafts from (int8: its projections and a "
+                        "copy of the lm_head, a quarter of the bytes; the output is the same, only acceptance "
+                        "may move; default none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -593,6 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "tokens as drafts, the ceiling)")
     bench.add_argument("--num-speculative-tokens", type=positive_int, nargs="+", default=[2],
                        help="K for --speculative (several: a run for each)")
+    bench.add_argument("--draft-quantization", nargs="+", choices=["none", "int8"], default=["none"],
+                       help="--speculative mtp: an MTP engine for each of these draft weights ('mtp', 'mtp int8')")
     bench.add_argument("--rounds", type=positive_int, default=3,
                        help="--speculative: rounds of a plain run then each drafter's, in turns (each row keeps "
                             "the median round's speed-up, and every round's in the JSON)")

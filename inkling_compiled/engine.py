@@ -68,7 +68,8 @@ class Engine:
                  layer_transfer: bool = False, warmup: bool = True,
                  progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
                  state_memory_bytes: int | None = None, host_cache_bytes: int = 0, speculative=None,
-                 num_speculative_tokens: int = 2, max_prefill_tokens=None, ranks: Ranks | None = None):
+                 num_speculative_tokens: int = 2, draft_quantization: str | None = None, max_prefill_tokens=None,
+                 ranks: Ranks | None = None):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         if max_prefill_tokens is not None:
@@ -88,7 +89,8 @@ class Engine:
         # Speculative decoding: K drafts per request and step, checked by one verify forward.
         option_int("num_speculative_tokens", num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         self.num_speculative_tokens = num_speculative_tokens if speculative is not None else 0
-        self.drafter = make_drafter(speculative, self.num_speculative_tokens, model)  # checked before any allocation
+        # (checked before any allocation)
+        self.drafter = make_drafter(speculative, self.num_speculative_tokens, model, draft_quantization)
         self.speculative = speculative if speculative is None or isinstance(speculative, str) \
             else type(speculative).__name__
         needs_hidden = self.drafter is not None and self.drafter.needs_hidden

@@ -313,6 +313,14 @@ class MtpHead(nn.Module):
         self.block_config = config.mtp_block(depths)
         self.layers = nn.ModuleList(MtpDepth(config, self.block_config, i) for i in range(depths))
         self.chain_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.chain_hidden_post_norm else None
+        # The drafts' own lm_head, when drafting reads an int8 copy of the trunk's (`spec.mtp.quantize_head`).
+        self.draft_lm_head: Linear | None = None
+
+    def logits(self, model: "InklingForCausalLM", out: torch.Tensor) -> torch.Tensor:
+        """A depth's draft logits from its output: the trunk's lm_head, or the head's draft copy of it."""
+        if self.draft_lm_head is None:
+            return model.logits(out)
+        return self.draft_lm_head(out / model.config.logits_mup_width_multiplier)
 
     def depth(self, index: int, prev: torch.Tensor, embedded: torch.Tensor, ctx) -> torch.Tensor:
         """Depth `index` (0-based): its output, which is both what its logits read and the next depth's prev."""
@@ -332,7 +340,7 @@ class MtpHead(nn.Module):
                 break
             ctx = FullSequenceContext([n], self.block_config, tokens.device)
             prev = self.depth(index, prev[:n], model.model.embed_tokens(tokens[m:m + n]), ctx)
-            outs.append(model.logits(prev))
+            outs.append(self.logits(model, prev))
         return outs
 
 

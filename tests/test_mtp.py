@@ -125,6 +125,87 @@ def test_drafts_equal_the_recipe_from_scratch(compiled, checkpoint, fresh_dynamo
             assert drafts == [logits[m][anchor].argmax().item() for m in range(K)], (step, req.request_id)
 
 
+def _dequantized(w: torch.Tensor) -> torch.Tensor:
+    """The int8 rule from its formula (not our quantizer): per output row, scale = max |w| / 127, values
+    rounded half to even and clamped to +-127, then times the scale again."""
+    scale = w.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(w / scale).clamp(-127, 127) * scale
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_int8_drafts_are_the_recipe_on_dequantized_weights(compiled, checkpoint, tmp_path, fresh_dynamo):
+    """draft_quantization='int8': the drafts are those of transformers' layers (`hf_mtp_logits`) on a copy of
+    the checkpoint whose head projections and lm_head hold the values the int8 rule gives, step after step,
+    eager and as inductor's graph, and the head's logits match that recipe's; the target keeps its own
+    weights, so the output is plain decoding's. Every row of those weights has an outlier, so that rounding
+    to int8 moves the drafts (checked: the fp32 head drafts otherwise somewhere) and a draft read from
+    weights other than the rule's (the trunk's fp32 lm_head, say) shows."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    K = 2
+    coarse, folder = tmp_path / "coarse", tmp_path / "dequantized"
+    shutil.copytree(checkpoint("tiny"), coarse)
+    weights = load_file(str(coarse / "model.safetensors"))
+    changed = [n for n in weights if n == "lm_head.weight" or (n.startswith("model.mtp.") and n.endswith("_proj.weight"))]
+    assert len(changed) > 2 * K
+    for n in changed:  # (lm_head's outlier the same in every row: it shifts all logits alike, argmax unmoved)
+        w = weights[n].float().clone()
+        w[:, 0] = 30 * (w.abs().max() if n == "lm_head.weight" else w.abs().amax(-1))
+        weights[n] = w
+    save_file(weights, str(coarse / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(coarse, folder)
+    save_file(weights | {n: _dequantized(weights[n]) for n in changed}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf = transformers.InklingForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf_coarse = transformers.InklingForCausalLM.from_pretrained(coarse, dtype=torch.float32).eval()
+
+    engine = Engine.from_pretrained(coarse, compile=False, max_batch_size=2, max_model_len=96, speculative="mtp",
+                                    num_speculative_tokens=K, draft_quantization="int8", progress=False)
+    head, model = engine.model.model.mtp, engine.model
+    assert {p.dtype for n, p in head.named_parameters() if n.endswith("_proj.weight")} == {torch.int8}
+    assert head.draft_lm_head.weight.dtype == torch.int8 and model.lm_head.weight.dtype == torch.float32
+    if compiled:
+        _compile_drafter(engine, "inductor", (1, 2))
+    prompts = [random_prompt(9, seed=74), random_prompt(14, seed=75)]
+    want = Engine.from_pretrained(coarse, compile=False, max_batch_size=2, progress=False).generate(prompts, GREEDY)
+    for p in prompts:
+        engine.add_request(p, GREEDY)
+    compared = moved = 0
+    for step in range(5):
+        engine.step()
+        for req in engine.scheduler.running:
+            drafts = engine.drafter.propose([req])[0]
+            known = req.prompt + req.output
+            sequence = known + drafts[:-1]
+            logits = hf_mtp_logits(hf, folder, sequence, K)
+            anchor = len(known) - 2
+            assert drafts == [logits[m][anchor].argmax().item() for m in range(K)], (step, req.request_id)
+            unrounded = hf_mtp_logits(hf_coarse, coarse, sequence, K)
+            moved += drafts != [unrounded[m][anchor].argmax().item() for m in range(K)]
+            compared += 1
+    ours = head.forward_sequence(model, _trunk_hidden(model, sequence), torch.tensor(sequence))
+    for a, b in zip(ours, logits):  # (the outliers make logits of 1e4 and more: the bound is relative to them)
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), ((a - b).abs().max().item(), b.abs().max().item())
+    while engine.has_unfinished():
+        engine.step()
+    assert compared >= 6 and moved >= 1
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [w.token_ids for w in want]
+
+
+def test_draft_quantization_is_refused_where_nothing_drafts_from_weights(checkpoint):
+    from inkling_compiled.errors import OptionError
+
+    with pytest.raises(OptionError, match="draft_quantization='int4'.*choose one of none, int8"):
+        Engine.from_pretrained(checkpoint("tiny"), compile=False, speculative="mtp", draft_quantization="int4")
+    with pytest.raises(OptionError, match="only the MTP head drafts.*speculative='ngram'"):
+        Engine.from_pretrained(checkpoint("tiny"), compile=False, speculative="ngram", draft_quantization="int8")
+    with pytest.raises(OptionError, match="only the MTP head drafts.*speculative=None"):
+        Engine.from_pretrained(checkpoint("tiny"), compile=False, draft_quantization="int8")
+
+
 def test_one_symbolic_draft_graph_no_breaks_and_a_full_census(checkpoint, fresh_dynamo):
     """K=2: one draft graph with a symbolic batch serves buckets 2 and 4: each depth's convs as sconv_verify
     (none decodes or extends), one kv_write per depth, zero graph breaks; replays of 3 rows and of 1 (padded)

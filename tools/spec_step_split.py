@@ -3,6 +3,7 @@ timed around its own call (the verify, decode and draft replays, the draft step'
 prep per step kind and the verify commit), per step, over the checkpoint's held-out prompts.
 
     OMP_NUM_THREADS=1 python tools/spec_step_split.py [--model DIR] [--batch 8] [-K 2] [--plain] [--runs 3]
+                                                      [--draft-quantization int8]
 
 Prints the last run's tokens/s and, per phase, its calls and microseconds a call. Phases nest: `draft
 host` is `draft` less its replay; `verify replay` and `decode replay` are inside `worker step`.
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("-K", type=int, default=2, help="draft tokens (MTP depths used)")
     ap.add_argument("--plain", action="store_true", help="plain decoding instead of MTP")
+    ap.add_argument("--draft-quantization", choices=["none", "int8"], default="none",
+                    help="the weights the MTP head drafts from")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3, help="runs over the batch (the last is reported)")
     args = ap.parse_args(argv)
@@ -69,7 +72,7 @@ def main(argv=None) -> int:
     options = dict(compile=True, max_batch_size=args.batch, buckets=(args.batch,), prefix_cache=False,
                    max_model_len=max(map(len, prompts)) + args.new_tokens + args.K + 1, progress=False)
     if not args.plain:
-        options.update(speculative="mtp", num_speculative_tokens=args.K)
+        options.update(speculative="mtp", num_speculative_tokens=args.K, draft_quantization=args.draft_quantization)
     engine = Engine.from_pretrained(path, **options)
     timer = PhaseTimer()
     worker = engine.worker

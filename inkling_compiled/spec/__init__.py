@@ -15,14 +15,21 @@ from __future__ import annotations
 
 from ..errors import OptionError
 from .drafter import MAX_SPECULATIVE_TOKENS, SPECULATIVE, Drafter
-from .mtp import MtpDrafter
+from .mtp import DRAFT_QUANTIZATION, MtpDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["Drafter", "NgramDrafter", "MtpDrafter", "make_drafter", "MAX_SPECULATIVE_TOKENS", "SPECULATIVE"]
+__all__ = ["Drafter", "NgramDrafter", "MtpDrafter", "make_drafter", "MAX_SPECULATIVE_TOKENS", "SPECULATIVE",
+           "DRAFT_QUANTIZATION"]
 
 
-def make_drafter(kind: str | Drafter | None, num_tokens: int, model) -> Drafter | None:
-    """The drafter an engine option names (None: no speculative decoding), or the Drafter it is."""
+def make_drafter(kind: str | Drafter | None, num_tokens: int, model, quantization: str | None = None
+                 ) -> Drafter | None:
+    """The drafter an engine option names (None: no speculative decoding), or the Drafter it is.
+    `quantization` (None: 'none') is the weights the MTP head drafts from; only that drafter has any."""
+    if quantization is not None and (kind != "mtp" or quantization not in DRAFT_QUANTIZATION):
+        raise OptionError(f"draft_quantization={quantization!r}: " + (
+            f"choose one of {', '.join(DRAFT_QUANTIZATION)}" if kind == "mtp" else
+            f"only the MTP head drafts from weights of its own (speculative={kind!r})"))
     if kind is None:
         return None
     if isinstance(kind, Drafter):
@@ -34,4 +41,4 @@ def make_drafter(kind: str | Drafter | None, num_tokens: int, model) -> Drafter 
         raise OptionError(f"unknown speculative={kind!r}: choose one of {', '.join(map(repr, SPECULATIVE))} or None")
     if kind == "ngram":
         return NgramDrafter(num_tokens)
-    return MtpDrafter(model, num_tokens)
+    return MtpDrafter(model, num_tokens, quantization or "none")

@@ -29,11 +29,40 @@ from ..cache.pool import each_layer
 from ..errors import OptionError
 from ..graphs import Buckets, CompiledStep, InputsKeys
 from ..metadata import GREEDY_PAD
-from ..model import MtpHead
+from ..model import Linear, MtpHead
 from ..nvtx import DRAFT_REPLAY, nvtx_range
+from ..quantize import quantize_rows
 from ..static import mark_static
 from .drafter import Drafter
 from .mtp_step import DraftInputs, DraftStep, clear_slot, draft_step, head_pool
+
+
+DRAFT_QUANTIZATION = ("none", "int8")
+
+
+def quantize_head(model) -> None:
+    """Drafting from int8 weights (`draft_quantization="int8"`): every projection of the loaded MTP head
+    quantized in place by the int8 scheme (`quantize.py`: one scale per output row), and an int8 copy of
+    the trunk's lm_head that only the drafts read (`MtpHead.draft_lm_head`). A draft decides how many
+    tokens a step yields, never which (the verify step reads the target's own weights), so drafting trades
+    a little acceptance for a draft step that reads about a quarter of the bytes. Weights that are int8
+    already (an int8 engine) stay as they are, and such an engine's drafts read its own lm_head."""
+    head: MtpHead = model.model.mtp
+    for module in head.modules():
+        if isinstance(module, Linear) and module.weight_scale is None:
+            _to_int8(module, module.weight)
+    if head.draft_lm_head is None and model.lm_head.weight_scale is None:
+        rows, hidden = model.lm_head.weight.shape
+        with torch.device("meta"):
+            head.draft_lm_head = Linear(hidden, rows)
+        _to_int8(head.draft_lm_head, model.lm_head.weight)
+
+
+def _to_int8(linear: Linear, weight: torch.Tensor) -> None:
+    """`linear` reads `weight` as int8 rows [out, in] (contiguous, as the int8 kernels take them) and scales."""
+    q, scale = quantize_rows(weight.detach().contiguous())
+    linear.weight = torch.nn.Parameter(q, requires_grad=False)
+    linear.weight_scale = torch.nn.Parameter(scale.to(q.device), requires_grad=False)
 
 
 @dataclasses.dataclass(eq=False)
@@ -58,7 +87,10 @@ class MtpDrafter(Drafter):
     needs_hidden = True
     extend_chunk = 256  # positions one extend forward of a depth takes in, over all its rows
 
-    def __init__(self, model, num_tokens: int):
+    def __init__(self, model, num_tokens: int, quantization: str = "none"):
+        if quantization not in DRAFT_QUANTIZATION:
+            raise OptionError(f"unsupported draft_quantization {quantization!r}: choose one of "
+                              f"{', '.join(DRAFT_QUANTIZATION)}")
         head: MtpHead | None = getattr(model.model, "mtp", None)
         if head is None:
             raise OptionError("speculative='mtp' needs the checkpoint's MTP head: load the model with "
@@ -66,7 +98,9 @@ class MtpDrafter(Drafter):
         if num_tokens > len(head.layers):
             raise OptionError(f"num_speculative_tokens={num_tokens} exceeds the {len(head.layers)} MTP depth(s) "
                               "loaded: the MTP head drafts one token per depth")
-        self.model, self.head, self.num_tokens = model, head, num_tokens
+        if quantization == "int8":
+            quantize_head(model)
+        self.model, self.head, self.num_tokens, self.quantization = model, head, num_tokens, quantization
         self.depths = num_tokens
         self.tokens_per_row = 2 * num_tokens  # a draft step's row: up to K+1 certain tokens, K-1 drafts
         self.tracks: dict[object, _Track] = {}
@@ -102,8 +136,8 @@ class MtpDrafter(Drafter):
         key = options.get("package_key")
         if key is not None:
             pool = self.pool
-            key = (*key, "mtp draft", self.depths, self.tokens_per_row, pool.page_size, pool.ring_size,
-                   [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())])
+            key = (*key, "mtp draft", self.quantization, self.depths, self.tokens_per_row, pool.page_size,
+                   pool.ring_size, [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())])
         compiled = self.compiled = CompiledStep(self.step, self._prepare_padding, kind="MTP draft", **{
             **options, "guarded_sources": self.step.guarded_sources, "package_key": key})
         self.buckets = Buckets(compiled.buckets)

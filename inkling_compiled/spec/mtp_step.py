@@ -20,7 +20,8 @@ depths from where they stand: depth i (0-based) has taken in every position befo
 
 Depth i's input at its row's first token is depth i-1's output at its last certain position of the step
 before (`carry`), then depth i-1's outputs of this step shifted by one: a fixed-shape op whatever n is.
-Depth i's draft is lm_head at position P-1 (row token n+i-1), its argmax the (i+1)-th draft.
+Depth i's draft is lm_head (or the head's int8 copy of it) at position P-1 (row token n+i-1), its argmax the
+(i+1)-th draft.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def draft_step(model, backends: list[StepBackend], prev: torch.Tensor, carries: 
     for i in range(len(backends)):
         check_verify_shapes(backends[i].metadata)
         out = head.depth(i, x, model.model.embed_tokens(tokens.reshape(-1)), backends[i].context).view(B, T, -1)
-        draft = model.logits(out[rows, (n + i - 1).clamp(min=0)]).argmax(-1)
+        draft = head.logits(model, out[rows, (n + i - 1).clamp(min=0)]).argmax(-1)
         drafts.append(draft)
         if i + 1 < len(backends):
             carried.append(out[rows, (n - 1).clamp(min=0)])
