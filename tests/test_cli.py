@@ -402,3 +402,12 @@ def test_the_floor_of_a_run_takes_each_rate_at_its_best():
     best = best_rates([measured(9.0, 12.0, 150.0), measured(11.0, 10.0, 160.0), measured(8.0, 7.0, 90.0)])
     assert best == {"threads": 2, "measurements": 3, "lowest_bandwidth_gb_s": 8.0, "copy_gb_s": 11.0,
                     "reduce_gb_s": 1.0, "gemv_gb_s": 12.0, "bandwidth_gb_s": 12.0, "matmul_gflop_s": 160.0}
+
+
+def test_the_speculative_bench_builds_an_mtp_engine_per_draft_quantization():
+    from inkling_compiled.bench import drafter_variants
+
+    assert drafter_variants(["ngram", "mtp", "replay"], ["none", "int8"]) == {
+        "ngram": {"speculative": "ngram"}, "mtp": {"speculative": "mtp", "draft_quantization": "none"},
+        "mtp int8": {"speculative": "mtp", "draft_quantization": "int8"}, "replay": {"speculative": "replay"}}
+    assert list(drafter_variants(["mtp"])) == ["mtp"]

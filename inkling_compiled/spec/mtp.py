@@ -269,9 +269,9 @@ class MtpDrafter(Drafter):
                 backend.prepare_verify(tokens, slots, [track.done[i] for track, _, _ in rows], [self.capacity] * B,
                                        counts, [GREEDY_PAD] * B, pad_to=bucket)
             prev = self.inputs.view(bucket)
-            index = torch.tensor([r * T + j for r, n in enumerate(counts) for j in range(n)], device=prev.device)
-            prev.index_copy_(0, index, torch.stack([track.hidden[track.done[0] + j] for track, _, n in rows
-                                                    for j in range(n)]))
+            by_row = prev.view(bucket, T, -1)
+            for r, (track, _, n) in enumerate(rows):  # each row's n certain positions, stacked in place
+                torch.stack([track.hidden[track.done[0] + j] for j in range(n)], out=by_row[r, :n])
             self.step.prev = prev
         with self.pinned():
             if self.compiled is not None:
