@@ -348,7 +348,8 @@ def roofline_speedup(engine: Engine, rates: dict, batch: int, K: int, tokens_per
     model, pool, drafter = engine.model, engine.worker.pool, engine.drafter
     plain = floor(step_cost(model, pool, batch, batch, context))
     verify = floor(step_cost(model, pool, batch * (K + 1), batch, context))
-    drafted = floor(draft_cost(model, K, batch, drafter.tokens_per_row)) if isinstance(drafter, MtpDrafter) else 0.0
+    drafted = floor(draft_cost(model, drafter.head, K, batch, drafter.tokens_per_row)) \
+        if isinstance(drafter, MtpDrafter) else 0.0
     return tokens_per_step * plain / (verify + drafted)
 
 

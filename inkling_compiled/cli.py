@@ -82,7 +82,8 @@ def _speculation_line(engine) -> str | None:
     rate = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.2f}"
     per_step = "n/a" if s["mean_tokens_per_step"] is None else f"{s['mean_tokens_per_step']:.2f}"
     depths = ", ".join(f"depth {d + 1} {'n/a' if a is None else f'{a:.2f}'}" for d, a in enumerate(s["acceptance_by_depth"]))
-    return (f"speculative {s['speculative']} (K={s['num_speculative_tokens']}): {s['spec_accepted']}/"
+    drafts = ", int8 drafts" if s["draft_quantization"] == "int8" else ""
+    return (f"speculative {s['speculative']} (K={s['num_speculative_tokens']}{drafts}): {s['spec_accepted']}/"
             f"{s['spec_proposed']} drafts accepted ({rate}; {depths}), {per_step} tokens per request per step")
 
 
@@ -208,6 +209,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.quantization and (args.speculative or args.tensor_parallel_size):
         print("error: --quantization runs with the decode benchmark, not with --speculative or "
               "--tensor-parallel-size", file=sys.stderr)
+        return 2
+    if args.draft_quantization != ["none"] and "mtp" not in (args.speculative or []):
+        print("error: --draft-quantization builds MTP engines: add mtp to --speculative", file=sys.stderr)
         return 2
     if args.speculative:
         return _bench_speculative(args)
@@ -526,9 +530,9 @@ def _add_speculative_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=positive_int, default=2,
                    help="draft tokens checked per request and step (with --speculative)")
     p.add_argument("--draft-quantization", choices=["none", "int8"], default=None,
-                   help="--speculative mtp: the weights the MTP head drafts from (int8: its projections and a "
-                        "copy of the lm_head, a quarter of the bytes; the output is the same, only acceptance "
-                        "may move; default none)")
+                   help="the weights the MTP head drafts from (int8, with --speculative mtp: a copy of its "
+                        "projections and of the lm_head in int8, a quarter of the bytes; the output is the same, "
+                        "only acceptance may move; default: as loaded)")
 
 
 def build_parser() -> argparse.ArgumentParser:

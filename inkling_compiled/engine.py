@@ -41,7 +41,7 @@ from .progress import StageLog
 from .requests import Request, RequestOutput, prompt_ids, prompt_list
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .spec import MAX_SPECULATIVE_TOKENS, make_drafter
+from .spec import MAX_SPECULATIVE_TOKENS, check_drafter_options, make_drafter
 from .step_plan import StepKind, StepPlan
 from .tokenizer import TextTokenizer
 from .worker import Worker, memory_summary
@@ -89,8 +89,9 @@ class Engine:
         # Speculative decoding: K drafts per request and step, checked by one verify forward.
         option_int("num_speculative_tokens", num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         self.num_speculative_tokens = num_speculative_tokens if speculative is not None else 0
-        # (checked before any allocation)
+        # (checked before any allocation: an MTP drafter's int8 head is made when it attaches to the pool)
         self.drafter = make_drafter(speculative, self.num_speculative_tokens, model, draft_quantization)
+        self.draft_quantization = check_drafter_options(speculative, draft_quantization)
         self.speculative = speculative if speculative is None or isinstance(speculative, str) \
             else type(speculative).__name__
         needs_hidden = self.drafter is not None and self.drafter.needs_hidden
@@ -143,6 +144,7 @@ class Engine:
         expert and the lm_head as int8 with a scale per output row (`quantize.py`); an int8 checkpoint
         loads as int8 without it."""
         build_in_background()  # the C++ kernels (first time only) build while the weights load and compile
+        check_drafter_options(kwargs.get("speculative"), kwargs.get("draft_quantization"))  # before any loading
         # The MTP head is loaded only for MTP drafting, one depth per speculative token.
         mtp_depths = 0
         if kwargs.get("speculative") == "mtp":
@@ -307,7 +309,8 @@ class Engine:
             c = dict(self.scheduler.counters)
             by_depth = [a / p if p else None for a, p in zip(self.scheduler.depth_accepted, self.scheduler.depth_proposed)]
             cache = self.cache.stats()
-        return {"speculative": self.speculative, "num_speculative_tokens": self.num_speculative_tokens, **c,
+        return {"speculative": self.speculative, "num_speculative_tokens": self.num_speculative_tokens,
+                "draft_quantization": self.draft_quantization, **c,
                 "acceptance_rate": c["spec_accepted"] / c["spec_proposed"] if c["spec_proposed"] else None,
                 "acceptance_by_depth": by_depth, "depth_proposed": list(self.scheduler.depth_proposed),
                 "depth_accepted": list(self.scheduler.depth_accepted),

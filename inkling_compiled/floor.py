@@ -90,12 +90,11 @@ def step_cost(model, pool, tokens: int, rows: int, context: int) -> dict:
             "experts_reached": reached}
 
 
-def draft_cost(model, depths: int, rows: int, tokens_per_row: int) -> dict:
+def draft_cost(model, head, depths: int, rows: int, tokens_per_row: int) -> dict:
     """The bytes an MTP draft step of `depths` depths over `rows` rows of `tokens_per_row` tokens must read,
     and the FLOPs it must do: each depth's own weights (its MLP is dense) over every token, and the lm_head
     once per depth (each depth's draft reads it, or the head's int8 copy of it) over one token a row. The
     head's keys and conv windows (a few KB a row) are left out."""
-    head = model.model.mtp
     own = [p for layer in head.layers[:depths] for p in layer.parameters()]
     shared = list((head.draft_lm_head or model.lm_head).parameters())
     return {"bytes": sum(p.numel() * p.element_size() for p in own) + depths * sum(

@@ -317,7 +317,8 @@ class MtpHead(nn.Module):
         self.draft_lm_head: Linear | None = None
 
     def logits(self, model: "InklingForCausalLM", out: torch.Tensor) -> torch.Tensor:
-        """A depth's draft logits from its output: the trunk's lm_head, or the head's draft copy of it."""
+        """A depth's draft logits from its output: the trunk's lm_head, or the head's draft copy of it (as
+        `model.logits` computes them; the MTP head never runs sharded, so no gather)."""
         if self.draft_lm_head is None:
             return model.logits(out)
         return self.draft_lm_head(out / model.config.logits_mup_width_multiplier)

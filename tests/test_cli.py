@@ -177,14 +177,24 @@ def test_a_draft_steps_cost_and_the_roofline_speedup(checkpoint):
         own = [shape for n, shape in shapes.items() if any(n.startswith(f"model.mtp.layers.{i}.") for i in range(depths))]
         matrices = sum(math.prod(shape) for shape in own if len(shape) >= 2)
         T = engine.drafter.tokens_per_row
-        cost = draft_cost(engine.model, depths, 3, T)
+        cost = draft_cost(engine.model, engine.drafter.head, depths, 3, T)
         assert cost["bytes"] == 4 * (sum(math.prod(shape) for shape in own) + depths * lm_head)  # fp32 in the engine
         assert cost["flops"] == 2 * 3 * (T * matrices + depths * lm_head)
+        # int8 drafts: a byte a projection weight and 4 a row for its scale, the lm_head's copy likewise
+        int8 = Engine.from_pretrained(folder, compile=False, speculative="mtp", num_speculative_tokens=depths,
+                                      draft_quantization="int8", max_model_len=64, progress=False)
+        projections = [shape for n, shape in shapes.items() if n.endswith("_proj.weight")
+                       and any(n.startswith(f"model.mtp.layers.{i}.") for i in range(depths))]
+        assert int8.drafter.head is not int8.model.model.mtp and projections
+        lm_rows = min(rows, engine.config.logits_vocab_size)
+        assert draft_cost(int8.model, int8.drafter.head, depths, 3, T)["bytes"] == (
+            4 * sum(math.prod(shape) for shape in own) - sum(3 * math.prod(s) - 4 * s[0] for s in projections)
+            + depths * (lm_head + 4 * lm_rows))
         model, pool = engine.model, engine.worker.pool
         plain, verify = step_cost(model, pool, 2, 2, 40), step_cost(model, pool, 2 * (depths + 1), 2, 40)
         assert floor(plain) == plain["bytes"] / 10e9 and floor(verify) == verify["flops"] / 12e9
         assert roofline_speedup(engine, rates, 2, depths, 1.5, 40) == pytest.approx(
-            1.5 * floor(plain) / (floor(verify) + floor(draft_cost(model, depths, 2, T))))
+            1.5 * floor(plain) / (floor(verify) + floor(draft_cost(model, engine.drafter.head, depths, 2, T))))
     lookup = Engine.from_pretrained(folder, compile=False, speculative="ngram", num_speculative_tokens=2,
                                     max_model_len=64, progress=False)
     model, pool = lookup.model, lookup.worker.pool
@@ -411,3 +421,15 @@ def test_the_speculative_bench_builds_an_mtp_engine_per_draft_quantization():
         "ngram": {"speculative": "ngram"}, "mtp": {"speculative": "mtp", "draft_quantization": "none"},
         "mtp int8": {"speculative": "mtp", "draft_quantization": "int8"}, "replay": {"speculative": "replay"}}
     assert list(drafter_variants(["mtp"])) == ["mtp"]
+
+
+def test_draft_quantization_reaches_the_engine_and_is_refused_without_mtp(checkpoint, capsys):
+    tiny = str(checkpoint("tiny"))
+    assert main(["generate", "--model", tiny, "--prompt", "5,6,7", "--token-ids", "--no-compile", "--max-new-tokens",
+                 "4", "--speculative", "mtp", "--draft-quantization", "int8"]) == 0
+    assert "speculative mtp (K=2, int8 drafts)" in capsys.readouterr().err
+    assert main(["generate", "--model", tiny, "--prompt", "hi", "--no-compile", "--quiet",
+                 "--draft-quantization", "int8"]) == 2
+    one_error_line(capsys.readouterr().err, "only the MTP head drafts from weights of its own")
+    assert main(["bench", "--configs", "tiny", "--speculative", "ngram", "--draft-quantization", "int8"]) == 2
+    one_error_line(capsys.readouterr().err, "--draft-quantization builds MTP engines")

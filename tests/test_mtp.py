@@ -164,7 +164,7 @@ def test_int8_drafts_are_the_recipe_on_dequantized_weights(compiled, checkpoint,
 
     engine = Engine.from_pretrained(coarse, compile=False, max_batch_size=2, max_model_len=96, speculative="mtp",
                                     num_speculative_tokens=K, draft_quantization="int8", progress=False)
-    head, model = engine.model.model.mtp, engine.model
+    head, model = engine.drafter.head, engine.model
     assert {p.dtype for n, p in head.named_parameters() if n.endswith("_proj.weight")} == {torch.int8}
     assert head.draft_lm_head.weight.dtype == torch.int8 and model.lm_head.weight.dtype == torch.float32
     if compiled:
@@ -186,8 +186,9 @@ def test_int8_drafts_are_the_recipe_on_dequantized_weights(compiled, checkpoint,
             unrounded = hf_mtp_logits(hf_coarse, coarse, sequence, K)
             moved += drafts != [unrounded[m][anchor].argmax().item() for m in range(K)]
             compared += 1
+    sequence = random_prompt(20, seed=76)  # the head's logits over a whole sequence against the recipe's
     ours = head.forward_sequence(model, _trunk_hidden(model, sequence), torch.tensor(sequence))
-    for a, b in zip(ours, logits):  # (the outliers make logits of 1e4 and more: the bound is relative to them)
+    for a, b in zip(ours, hf_mtp_logits(hf, folder, sequence, K)):  # (the outliers make logits of 1e4 and more: the bound is relative to them)
         assert (a - b).abs().max() <= 1e-5 * b.abs().max(), ((a - b).abs().max().item(), b.abs().max().item())
     while engine.has_unfinished():
         engine.step()
@@ -195,15 +196,56 @@ def test_int8_drafts_are_the_recipe_on_dequantized_weights(compiled, checkpoint,
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == [w.token_ids for w in want]
 
 
-def test_draft_quantization_is_refused_where_nothing_drafts_from_weights(checkpoint):
+def test_draft_quantization_is_refused_where_nothing_drafts_from_weights(checkpoint, monkeypatch):
+    """Bad values, and int8 drafts without the MTP drafter, are refused before any weight is read; 'none'
+    goes with any drafter."""
+    import inkling_compiled.engine as engine_module
     from inkling_compiled.errors import OptionError
 
-    with pytest.raises(OptionError, match="draft_quantization='int4'.*choose one of none, int8"):
-        Engine.from_pretrained(checkpoint("tiny"), compile=False, speculative="mtp", draft_quantization="int4")
+    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: pytest.fail("loaded before the check"))
+    for bad in ("int4", "INT8", 8, ["int8"]):
+        with pytest.raises(OptionError, match=r"draft_quantization=.*: choose one of none, int8"):
+            Engine.from_pretrained(checkpoint("tiny"), compile=False, speculative="mtp", draft_quantization=bad)
     with pytest.raises(OptionError, match="only the MTP head drafts.*speculative='ngram'"):
         Engine.from_pretrained(checkpoint("tiny"), compile=False, speculative="ngram", draft_quantization="int8")
     with pytest.raises(OptionError, match="only the MTP head drafts.*speculative=None"):
-        Engine.from_pretrained(checkpoint("tiny"), compile=False, draft_quantization="int8")
+        Engine.from_pretrained(checkpoint("tiny"), compile=False, draft_quantization="int8",
+                               tensor_parallel_size=2)
+    with pytest.raises(OptionError, match="unknown speculative='MTP'"):
+        Engine.from_pretrained(checkpoint("tiny"), compile=False, speculative="MTP", draft_quantization="int8")
+    monkeypatch.undo()
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, speculative="ngram", draft_quantization="none",
+                                    progress=False)
+    assert engine.stats()["draft_quantization"] == "none"
+
+
+def test_int8_drafts_leave_a_shared_model_as_it_was(checkpoint):
+    """Engines may share one loaded model: an engine drafting from int8 weights (and one whose construction
+    failed after its drafter was made) leaves the model's head and lm_head as they were, so an engine
+    drafting from them beside it drafts as a fresh one does."""
+    model, _ = load_model(checkpoint("tiny"), mtp_depths=2)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    kw = dict(compile=False, max_batch_size=2, max_model_len=64, progress=False, speculative="mtp",
+              num_speculative_tokens=2)
+    fp32 = Engine(model, **kw)
+    with pytest.raises(Exception, match="max_batch_size"):
+        Engine(model, **{**kw, "max_batch_size": 0}, draft_quantization="int8")
+    int8 = Engine(model, **kw, draft_quantization="int8")
+    assert int8.drafter.head is not model.model.mtp and fp32.drafter.head is model.model.mtp
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(after[n].dtype == t.dtype and torch.equal(after[n], t) for n, t in before.items())
+    fresh = Engine(load_model(checkpoint("tiny"), mtp_depths=2)[0], **kw)
+    prompts = [random_prompt(9, seed=77), random_prompt(12, seed=78)]
+    for engine in (fp32, int8, fresh):
+        for p in prompts:
+            engine.add_request(p, GREEDY)
+    for _ in range(4):
+        for engine in (fp32, int8, fresh):
+            engine.step()
+        running = [list(e.scheduler.running) for e in (fp32, fresh)]
+        assert fp32.drafter.propose(running[0]) == fresh.drafter.propose(running[1])
+    assert fp32.stats()["draft_quantization"] == "none" and int8.stats()["draft_quantization"] == "int8"
 
 
 def test_one_symbolic_draft_graph_no_breaks_and_a_full_census(checkpoint, fresh_dynamo):

@@ -97,10 +97,13 @@ def test_mtp_drafts_are_exact_and_accepted_where_a_random_head_is_not(prompts, p
 
 def test_int8_drafts_stay_exact_and_keep_their_acceptance(prompts, plain):
     """draft_quantization='int8' (the head's projections and a draft copy of the lm_head in int8): the same
-    tokens as plain decoding, and the depth-1 acceptance still above what a random head reaches (0.62 / 0.49
-    measured with int8 drafts against 0.61 / 0.50 with fp32 ones)."""
+    tokens as plain decoding, and the depth-1 acceptance still above what a random head reaches (0.56 / 0.40
+    measured here with int8 drafts against 0.54 / 0.40 with fp32 ones)."""
     engine = Engine.from_pretrained(trained_checkpoint(), compile=False, max_batch_size=8, progress=False,
                                     speculative="mtp", num_speculative_tokens=2, draft_quantization="int8")
+    head = engine.drafter.head
+    assert head.draft_lm_head.weight.dtype == torch.int8 and head.layers[0].input_proj.weight.dtype == torch.int8
+    assert engine.model.model.mtp.layers[0].input_proj.weight.dtype != torch.int8  # the loaded head as it was
     outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert max(abs(a - b) for o, p in zip(outs, plain) for a, b in zip(o.logprobs, p.logprobs)) < 1e-4

@@ -14,22 +14,36 @@ on the target's hidden states. Another draft model plugs in by implementing the 
 from __future__ import annotations
 
 from ..errors import OptionError
+from ..quantize import CHOICES
 from .drafter import MAX_SPECULATIVE_TOKENS, SPECULATIVE, Drafter
-from .mtp import DRAFT_QUANTIZATION, MtpDrafter
+from .mtp import MtpDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["Drafter", "NgramDrafter", "MtpDrafter", "make_drafter", "MAX_SPECULATIVE_TOKENS", "SPECULATIVE",
-           "DRAFT_QUANTIZATION"]
+__all__ = ["Drafter", "NgramDrafter", "MtpDrafter", "make_drafter", "check_drafter_options", "MAX_SPECULATIVE_TOKENS",
+           "SPECULATIVE"]
 
 
-def make_drafter(kind: str | Drafter | None, num_tokens: int, model, quantization: str | None = None
+def check_drafter_options(kind: str | Drafter | None, draft_quantization: str | None) -> str:
+    """The `speculative` and `draft_quantization` options checked (before anything is loaded); the draft
+    weights meant ('none' or 'int8'; None is 'none'). Only the MTP head drafts from weights, so 'int8' needs
+    speculative='mtp'."""
+    if kind is not None and not isinstance(kind, Drafter) and kind not in SPECULATIVE:
+        raise OptionError(f"unknown speculative={kind!r}: choose one of {', '.join(map(repr, SPECULATIVE))} or None")
+    if draft_quantization is None:
+        return "none"
+    if not isinstance(draft_quantization, str) or draft_quantization not in CHOICES:
+        raise OptionError(f"draft_quantization={draft_quantization!r}: choose one of {', '.join(CHOICES)}")
+    if draft_quantization != "none" and kind != "mtp":
+        raise OptionError(f"draft_quantization={draft_quantization!r}: only the MTP head drafts from weights of "
+                          f"its own (speculative={kind if isinstance(kind, str) or kind is None else type(kind).__name__!r})")
+    return draft_quantization
+
+
+def make_drafter(kind: str | Drafter | None, num_tokens: int, model, draft_quantization: str | None = None
                  ) -> Drafter | None:
     """The drafter an engine option names (None: no speculative decoding), or the Drafter it is.
-    `quantization` (None: 'none') is the weights the MTP head drafts from; only that drafter has any."""
-    if quantization is not None and (kind != "mtp" or quantization not in DRAFT_QUANTIZATION):
-        raise OptionError(f"draft_quantization={quantization!r}: " + (
-            f"choose one of {', '.join(DRAFT_QUANTIZATION)}" if kind == "mtp" else
-            f"only the MTP head drafts from weights of its own (speculative={kind!r})"))
+    `draft_quantization` is the weights the MTP head drafts from (`check_drafter_options`)."""
+    draft_quantization = check_drafter_options(kind, draft_quantization)
     if kind is None:
         return None
     if isinstance(kind, Drafter):
@@ -37,8 +51,6 @@ def make_drafter(kind: str | Drafter | None, num_tokens: int, model, quantizatio
             raise OptionError(f"the drafter was made for {kind.num_tokens} tokens; num_speculative_tokens={num_tokens}")
         kind.num_tokens = num_tokens
         return kind
-    if kind not in SPECULATIVE:
-        raise OptionError(f"unknown speculative={kind!r}: choose one of {', '.join(map(repr, SPECULATIVE))} or None")
     if kind == "ngram":
         return NgramDrafter(num_tokens)
-    return MtpDrafter(model, num_tokens, quantization or "none")
+    return MtpDrafter(model, num_tokens, draft_quantization)

@@ -18,6 +18,7 @@ prompt, after prefill) are taken in by extend forwards over the same pool, in ch
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 from typing import Callable
@@ -37,25 +38,25 @@ from .drafter import Drafter
 from .mtp_step import DraftInputs, DraftStep, clear_slot, draft_step, head_pool
 
 
-DRAFT_QUANTIZATION = ("none", "int8")
-
-
-def quantize_head(model) -> None:
-    """Drafting from int8 weights (`draft_quantization="int8"`): every projection of the loaded MTP head
-    quantized in place by the int8 scheme (`quantize.py`: one scale per output row), and an int8 copy of
-    the trunk's lm_head that only the drafts read (`MtpHead.draft_lm_head`). A draft decides how many
-    tokens a step yields, never which (the verify step reads the target's own weights), so drafting trades
-    a little acceptance for a draft step that reads about a quarter of the bytes. Weights that are int8
-    already (an int8 engine) stay as they are, and such an engine's drafts read its own lm_head."""
+def int8_head(model) -> MtpHead:
+    """The head that drafts for `draft_quantization="int8"`: a copy of the loaded MTP head whose projections
+    are int8 by the int8 scheme (`quantize.py`: one scale per output row), with an int8 copy of the trunk's
+    lm_head that only the drafts read (`MtpHead.draft_lm_head`). A draft decides how many tokens a step
+    yields, never which (the verify step reads the target's own weights), so this trades a little acceptance
+    for a draft step that reads about a quarter of the bytes. The model stays as loaded (other engines may
+    share it): the copy shares its norms and any weight that is int8 already (an int8 engine's head, whose
+    drafts then read the trunk's int8 lm_head)."""
     head: MtpHead = model.model.mtp
-    for module in head.modules():
+    draft = copy.deepcopy(head, {id(p): p for p in head.parameters()})  # new modules, the same tensors
+    for module in draft.modules():
         if isinstance(module, Linear) and module.weight_scale is None:
             _to_int8(module, module.weight)
-    if head.draft_lm_head is None and model.lm_head.weight_scale is None:
+    if model.lm_head.weight_scale is None:
         rows, hidden = model.lm_head.weight.shape
         with torch.device("meta"):
-            head.draft_lm_head = Linear(hidden, rows)
-        _to_int8(head.draft_lm_head, model.lm_head.weight)
+            draft.draft_lm_head = Linear(hidden, rows)
+        _to_int8(draft.draft_lm_head, model.lm_head.weight)
+    return draft
 
 
 def _to_int8(linear: Linear, weight: torch.Tensor) -> None:
@@ -87,10 +88,7 @@ class MtpDrafter(Drafter):
     needs_hidden = True
     extend_chunk = 256  # positions one extend forward of a depth takes in, over all its rows
 
-    def __init__(self, model, num_tokens: int, quantization: str = "none"):
-        if quantization not in DRAFT_QUANTIZATION:
-            raise OptionError(f"unsupported draft_quantization {quantization!r}: choose one of "
-                              f"{', '.join(DRAFT_QUANTIZATION)}")
+    def __init__(self, model, num_tokens: int, draft_quantization: str = "none"):
         head: MtpHead | None = getattr(model.model, "mtp", None)
         if head is None:
             raise OptionError("speculative='mtp' needs the checkpoint's MTP head: load the model with "
@@ -98,9 +96,8 @@ class MtpDrafter(Drafter):
         if num_tokens > len(head.layers):
             raise OptionError(f"num_speculative_tokens={num_tokens} exceeds the {len(head.layers)} MTP depth(s) "
                               "loaded: the MTP head drafts one token per depth")
-        if quantization == "int8":
-            quantize_head(model)
-        self.model, self.head, self.num_tokens, self.quantization = model, head, num_tokens, quantization
+        # `head`: what drafts, the loaded head or (from `attach` on) its int8 copy
+        self.model, self.head, self.num_tokens, self.draft_quantization = model, head, num_tokens, draft_quantization
         self.depths = num_tokens
         self.tokens_per_row = 2 * num_tokens  # a draft step's row: up to K+1 certain tokens, K-1 drafts
         self.tracks: dict[object, _Track] = {}
@@ -112,6 +109,8 @@ class MtpDrafter(Drafter):
         self.pinned: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def attach(self, pool, max_model_len: int) -> None:
+        if self.draft_quantization == "int8":
+            self.head = int8_head(self.model)
         config, device, dtype = self.head.block_config, self.model.lm_head.weight.device, self.model.dtype
         T, S = self.tokens_per_row, pool.max_slots
         self.slot_of = pool.slot_of
@@ -124,7 +123,7 @@ class MtpDrafter(Drafter):
                                                                           device=device)))
                         for _ in range(self.depths - 1)]
         self.inputs = DraftInputs(S, T, config.hidden_size, dtype, device)
-        self.step = DraftStep(self.model, self.backends, self.carries)
+        self.step = DraftStep(self.model, self.head, self.backends, self.carries)
 
     def compile(self, options: dict, pinned: Callable[[], contextlib.AbstractContextManager] | None = None
                 ) -> CompiledStep:
@@ -136,8 +135,9 @@ class MtpDrafter(Drafter):
         key = options.get("package_key")
         if key is not None:
             pool = self.pool
-            key = (*key, "mtp draft", self.quantization, self.depths, self.tokens_per_row, pool.page_size,
-                   pool.ring_size, [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())])
+            key = (*key, "mtp draft", [(n, str(p.dtype)) for n, p in self.head.named_parameters()], self.depths,
+                   self.tokens_per_row, pool.page_size, pool.ring_size,
+                   [tuple(t.shape[1:]) for t in (*pool.state_tensors(), *pool.draft_windows())])
         compiled = self.compiled = CompiledStep(self.step, self._prepare_padding, kind="MTP draft", **{
             **options, "guarded_sources": self.step.guarded_sources, "package_key": key})
         self.buckets = Buckets(compiled.buckets)
@@ -149,7 +149,7 @@ class MtpDrafter(Drafter):
     def probe_step(self) -> tuple[DraftStep, Callable[[int], None]]:
         """A second draft step over the same model, backends and buffers, and its padding prep: what a
         tool traces with a backend of its own (`profile`'s census) while the compiled step stays as it is."""
-        step = DraftStep(self.model, self.backends, self.carries)
+        step = DraftStep(self.model, self.head, self.backends, self.carries)
 
         def prepare_padding(rows: int) -> None:
             self._prepare_padding(rows)
@@ -178,7 +178,9 @@ class MtpDrafter(Drafter):
         self.tracks.pop(req, None)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [*self.pool.static_tensors(), *self.carries, self.inputs.buffer]
+        loaded = {id(p) for p in self.model.parameters()}
+        own = [p for p in self.head.parameters() if id(p) not in loaded]  # an int8 head's own weights
+        return [*self.pool.static_tensors(), *self.carries, self.inputs.buffer, *own]
 
     # ---- what the target did ----------------------------------------------------------------------
 
@@ -280,7 +282,7 @@ class MtpDrafter(Drafter):
                     drafts, *carried = self.compiled.run(bucket, inputs=key)
             else:
                 with nvtx_range(f"draft {B} rows (eager)"):
-                    drafts, *carried = draft_step(self.model, self.backends, prev, self.carries)
+                    drafts, *carried = draft_step(self.model, self.head, self.backends, prev, self.carries)
         slot_ids = torch.tensor(slots, device=prev.device)
         for carry, out in zip(self.carries, carried):
             carry.index_copy_(0, slot_ids, out[:B])
