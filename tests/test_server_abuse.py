@@ -89,7 +89,7 @@ def test_a_hundred_clients_leaving_at_once_stall_nobody(server, monkeypatch):
         for _ in survivor.completions.create(model="tiny", prompt="hi", max_tokens=60, stream=True,
                                              extra_body={"ignore_eos": True}):
             now = time.perf_counter()
-            gaps.append(now - last)
+            gaps.append((now, now - last))
             last = now
         stream_done.set()
 
@@ -101,6 +101,7 @@ def test_a_hundred_clients_leaving_at_once_stall_nobody(server, monkeypatch):
     wait_for(lambda: metric(server, "requests_running") + metric(server, "requests_waiting") == 101)
     with HealthProbe(server) as probe:
         time.sleep(0.1)
+        leaving = time.perf_counter()
         for s in socks:
             s.shutdown(socket.SHUT_RDWR)
             s.close()
@@ -108,7 +109,9 @@ def test_a_hundred_clients_leaving_at_once_stall_nobody(server, monkeypatch):
         time.sleep(0.3)
     keeper.join(120)
     assert probe.answers > 3 and probe.worst < STALL_BOUND, probe.worst
-    assert stream_done.is_set() and max(gaps[1:]) < 1.0, max(gaps[1:])
+    # (the survivor's events from the disconnects on: what the aborts could hold up)
+    after = [gap for at, gap in gaps if at > leaving]
+    assert stream_done.is_set() and len(after) > 10 and max(after) < 1.0, after
     monkeypatch.undo()
     wait_for(lambda: metric(server, "requests_running") == 0 and metric(server, "slots_free") == 8)
 
