@@ -370,13 +370,17 @@ def _dump_graphs(args: argparse.Namespace) -> int:
     if not args.model or not args.out:
         print("error: dump-graphs needs --model and --out (or --diff A B)", file=sys.stderr)
         return 2
+    if args.draft_quantization == "int8" and args.drafter != "mtp":
+        print("error: dump-graphs --draft-quantization int8 needs --drafter mtp (only its head drafts from weights)",
+              file=sys.stderr)
+        return 2
     if args.drafter != "ngram" and not args.speculative_tokens:
         print("error: dump-graphs --drafter needs --speculative-tokens K (the verify step's drafts)", file=sys.stderr)
         return 2
     torch.set_num_threads(engine_threads(args))
     summary = dump_graphs(args.model, args.out, buckets=tuple(args.buckets) if args.buckets else None,
                           backend=args.backend, device=args.device, draft_tokens=args.speculative_tokens,
-                          drafter=args.drafter)
+                          drafter=args.drafter, draft_quantization=args.draft_quantization)
     print((Path(args.out) / "summary.md").read_text(), end="")
     for step in ("verify", "draft"):
         if step in summary:
@@ -648,6 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--drafter", choices=["ngram", "mtp"], default="ngram",
                       help="the verify step's drafter with --speculative-tokens (mtp: the checkpoint's MTP head, "
                            "whose draft step is dumped too, under OUT/draft)")
+    dump.add_argument("--draft-quantization", choices=["none", "int8"], default=None,
+                      help="--drafter mtp: the weights the draft step reads (int8: see --draft-quantization of "
+                           "generate)")
     dump.add_argument("--diff", nargs=2, metavar=("A", "B"), help="compare two dump folders instead")
     dump.set_defaults(run=_dump_graphs)
 

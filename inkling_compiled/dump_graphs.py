@@ -12,14 +12,16 @@ from .graphs.dump import GraphDump
 
 def dump_graphs(model_dir: str | Path, out_dir: str | Path, *, buckets: tuple[int, ...] | None = None,
                 backend: str = "inductor", device: str = "cpu", steps: int = 3, draft_tokens: int = 0,
-                drafter: str = "ngram") -> dict:
+                drafter: str = "ngram", draft_quantization: str | None = None) -> dict:
     """Compiles each bucket of a fresh engine with a recording backend and writes the dump; the summary.
     With `draft_tokens`, the engine also has a verify step for that many drafts (`drafter`: "ngram", or
     "mtp", the checkpoint's MTP head), dumped the same way under `out_dir/verify` (its summary under the
-    summary's "verify"); with "mtp", the draft step too, under `out_dir/draft` (the summary's "draft")."""
+    summary's "verify"); with "mtp", the draft step too, under `out_dir/draft` (the summary's "draft"), from
+    the weights `draft_quantization` names."""
     dump = GraphDump(backend)
     buckets = tuple(sorted(buckets)) if buckets else None
-    spec = dict(speculative=drafter, num_speculative_tokens=draft_tokens) if draft_tokens else {}
+    spec = dict(speculative=drafter, num_speculative_tokens=draft_tokens, draft_quantization=draft_quantization) \
+        if draft_tokens else {}
     torch._dynamo.reset()
     try:
         # The Python kernel-launch wrapper, not the C++ one: same graph, same buffers, readable code.

@@ -94,6 +94,21 @@ def test_dump_of_the_mtp_draft_step(checkpoint, tmp_path, capsys):
     assert "# Decode graphs of" in printed and "# Verify graphs of" in printed and "# MTP draft graphs of" in printed
 
 
+def test_dump_of_an_int8_draft_step(checkpoint, tmp_path, capsys):
+    """`--draft-quantization int8`: the draft graph's projections are int8 products and the verify graph's
+    stay fp32; asked for without the MTP drafter, one error line."""
+    tiny = str(checkpoint("tiny"))
+    assert main(["dump-graphs", "--model", tiny, "--out", str(tmp_path), "--speculative-tokens", "2",
+                 "--draft-quantization", "int8"]) == 2
+    assert "needs --drafter mtp" in capsys.readouterr().err
+    assert main(["dump-graphs", "--model", tiny, "--out", str(tmp_path), "--buckets", "1", "--backend", "eager",
+                 "--speculative-tokens", "2", "--drafter", "mtp", "--draft-quantization", "int8"]) == 0
+    draft = (tmp_path / "draft" / "bucket-1" / "census.txt").read_text()
+    verify = (tmp_path / "verify" / "bucket-1" / "census.txt").read_text()
+    assert "inkling::linear_int8" in draft and "inkling::linear " not in draft
+    assert "inkling::linear " in verify and "inkling::linear_int8" not in verify
+
+
 def test_dump_diff_against_itself_is_empty_and_names_changes(dumps):
     root, *_ = dumps
     assert diff_dumps(root / "a", root / "b") == []
