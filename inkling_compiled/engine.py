@@ -91,7 +91,6 @@ class Engine:
         self.num_speculative_tokens = num_speculative_tokens if speculative is not None else 0
         # (checked before any allocation: an MTP drafter's int8 head is made when it attaches to the pool)
         self.drafter = make_drafter(speculative, self.num_speculative_tokens, model, draft_quantization)
-        self.draft_quantization = check_drafter_options(speculative, draft_quantization)
         self.speculative = speculative if speculative is None or isinstance(speculative, str) \
             else type(speculative).__name__
         needs_hidden = self.drafter is not None and self.drafter.needs_hidden
@@ -310,7 +309,7 @@ class Engine:
             by_depth = [a / p if p else None for a, p in zip(self.scheduler.depth_accepted, self.scheduler.depth_proposed)]
             cache = self.cache.stats()
         return {"speculative": self.speculative, "num_speculative_tokens": self.num_speculative_tokens,
-                "draft_quantization": self.draft_quantization, **c,
+                "draft_quantization": self.drafter.draft_quantization if self.drafter else "none", **c,
                 "acceptance_rate": c["spec_accepted"] / c["spec_proposed"] if c["spec_proposed"] else None,
                 "acceptance_by_depth": by_depth, "depth_proposed": list(self.scheduler.depth_proposed),
                 "depth_accepted": list(self.scheduler.depth_accepted),

@@ -313,7 +313,7 @@ class MtpHead(nn.Module):
         self.block_config = config.mtp_block(depths)
         self.layers = nn.ModuleList(MtpDepth(config, self.block_config, i) for i in range(depths))
         self.chain_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.chain_hidden_post_norm else None
-        # The drafts' own lm_head, when drafting reads an int8 copy of the trunk's (`spec.mtp.quantize_head`).
+        # The drafts' own lm_head, when drafting reads an int8 copy of the trunk's (`spec.mtp.int8_head`).
         self.draft_lm_head: Linear | None = None
 
     def logits(self, model: "InklingForCausalLM", out: torch.Tensor) -> torch.Tensor:

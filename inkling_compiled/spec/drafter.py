@@ -18,6 +18,7 @@ class Drafter:
 
     num_tokens: int
     needs_hidden: bool = False
+    draft_quantization: str = "none"  # the weights its drafts read: only the MTP drafter has any
 
     def attach(self, pool, max_model_len: int) -> None:
         """Called once the engine's pool exists (slot ids are the pool's), before any request."""

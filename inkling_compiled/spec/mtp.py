@@ -63,7 +63,7 @@ def _to_int8(linear: Linear, weight: torch.Tensor) -> None:
     """`linear` reads `weight` as int8 rows [out, in] (contiguous, as the int8 kernels take them) and scales."""
     q, scale = quantize_rows(weight.detach().contiguous())
     linear.weight = torch.nn.Parameter(q, requires_grad=False)
-    linear.weight_scale = torch.nn.Parameter(scale.to(q.device), requires_grad=False)
+    linear.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
 
 
 @dataclasses.dataclass(eq=False)

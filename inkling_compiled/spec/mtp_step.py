@@ -74,9 +74,10 @@ def clear_slot(pool: StatePool, slot: int, start: int) -> None:
 def draft_step(model, head, backends: list[StepBackend], prev: torch.Tensor, carries: list[torch.Tensor]
                ) -> tuple[torch.Tensor, ...]:
     """Every depth of `head` (the loaded MTP head or the drafter's int8 copy of it) over the rows the
-    backends' verify metadata describe (see the module docstring). prev [B*T, H]: depth 0's input, the target's hidden states at the rows' certain positions. Returns the
-    drafts [B, K] and, per depth but the last, its output at each row's last certain position (the next
-    step's carry: written back by the caller, after the step)."""
+    backends' verify metadata describe (see the module docstring). prev [B*T, H]: depth 0's input, the
+    target's hidden states at the rows' certain positions. Returns the drafts [B, K] and, per depth but the
+    last, its output at each row's last certain position (the next step's carry: written back by the
+    caller, after the step)."""
     md = backends[0].metadata
     B = check_verify_shapes(md)
     T = md.draft_tokens + 1
@@ -103,8 +104,9 @@ _STEPS = itertools.count()
 
 class DraftStep(nn.Module):
     """The draft step as a module for the compiler (as `runner.DecodeStep`): the model, the head that
-    drafts, its backends and the input buffers are reached through `self`, so they are static; `prev` is the kept view of the
-    input buffer for the batch size being replayed, set by the drafter before each call."""
+    drafts, its backends and the input buffers are reached through `self`, so they are static; `prev` is
+    the kept view of the input buffer for the batch size being replayed, set by the drafter before each
+    call."""
 
     def __init__(self, model, head, backends: list[StepBackend], carries: list[torch.Tensor]):
         super().__init__()
