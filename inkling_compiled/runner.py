@@ -1,6 +1,6 @@
 """Runs one planned forward of the model: the step buffers prepared from a `StepPlan`, the step its kind
-names (compiled, or eager), lm_head on each row's last token, sampling; a verify step's accepted conv
-windows committed after it."""
+names (compiled, or eager), lm_head on each row's last token, sampling; a verify step commits its
+accepted conv windows itself."""
 
 from __future__ import annotations
 
@@ -118,8 +118,10 @@ def forward_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: b
 
 
 def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bool = False) -> tuple[torch.Tensor, ...]:
-    """A speculative verify step: the target over every row's K+1 tokens, then acceptance (`verify_drafts`).
-    The conv ops save each token's window and leave the slots alone; the commit comes after."""
+    """A speculative verify step: the target over every row's K+1 tokens, then acceptance (`verify_drafts`),
+    then the commit. The conv ops save each token's window and leave the slots alone; each row's slot then
+    takes the window saved after its last accepted token, inside the step: the slot ids are this step's
+    own, read before any later prep can refill the buffers (a padding row commits to the dummy slot)."""
     md: StepMetadata = backend.metadata
     T_d = md.draft_tokens + 1
     B = check_verify_shapes(md)
@@ -127,6 +129,9 @@ def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bo
     logits = model.logits(hidden)
     tokens, accepted, logprobs = verify_drafts(logits.view(B, T_d, -1), md.input_ids.view(B, T_d), md.drafted,
                                                md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
+    pool = backend.pool
+    torch.ops.inkling.commit_conv_windows(each_layer(pool.conv.values()), pool.draft_windows(), md.cache_indices,
+                                          accepted)
     chosen, top_ids, top_vals = _top(tokens.reshape(-1), logprobs)
     out = (tokens, accepted, chosen.view(B, T_d), top_ids.view(B, T_d, -1), top_vals.view(B, T_d, -1))
     return (*out, hidden.view(B, T_d, -1)) if with_hidden else out
@@ -261,9 +266,7 @@ class Runner:
                                   prompt=score_prompt(self.model, every, plan))
         if plan.kind is StepKind.DECODE:
             return StepOutput(*(t[:plan.rows] for t in out))
-        out = VerifyOutput(*(t[:plan.rows] for t in out))
-        self.commit(plan.slots, out.accepted)  # before the next verify overwrites the saved windows
-        return out
+        return VerifyOutput(*(t[:plan.rows] for t in out))
 
     def _run_compiled(self, compiled, plan: StepPlan) -> tuple[torch.Tensor, ...]:
         """The compiled step of the plan's kind. A decode or verify bucket reads the same metadata slices at
@@ -315,13 +318,3 @@ class Runner:
         if pool.layer_transfer_counter is not None and not pool.layer_transfer:
             with nvtx_range("wait for every layer's transfer"):
                 pool.wait_for_all_layers()
-
-    def commit(self, slots: list[int], steps: torch.Tensor) -> None:
-        """Each verify row's slot takes the conv windows saved after its last accepted token (`steps`,
-        the accepted counts). Slot ids come from the plan, never from the step buffers, which the next
-        prep may already have refilled."""
-        pool = self.backend.pool
-        with nvtx_range("commit conv windows"):
-            torch.ops.inkling.commit_conv_windows(
-                each_layer(pool.conv.values()), pool.draft_windows(),
-                torch.tensor(slots, dtype=torch.int32).to(steps.device, non_blocking=True), steps[:len(slots)])

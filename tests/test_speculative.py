@@ -388,9 +388,11 @@ def test_continuous_batching_staggered_arrivals_and_aborts(checkpoint, plain_out
     assert engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
 
 
-def test_commit_takes_slots_from_the_verify_batch_not_the_step_buffers(checkpoint):
-    """The commit's slot ids are the verify batch's: refilling the step buffers for another batch in between
-    (as the next step's prep does) changes nothing."""
+def test_the_verify_step_commits_its_own_rows_slots(checkpoint):
+    """The verify step commits inside itself: each verify row's slot takes the window saved after its last
+    accepted token (read from the saved windows, which the commit does not write), every other slot stays
+    as it was, and refilling the step buffers for another batch afterwards (as the next step's prep does)
+    changes nothing."""
     engine = engine_for(checkpoint, max_batch_size=4, max_model_len=64, speculative="ngram", num_speculative_tokens=2)
     for i in range(4):
         engine.add_request(random_prompt(5 + i, seed=50 + i), SamplingParams(max_new_tokens=20, ignore_eos=True))
@@ -400,19 +402,18 @@ def test_commit_takes_slots_from_the_verify_batch_not_the_step_buffers(checkpoin
     verify_rows, others = reqs[:2], reqs[2:]
     (plan,) = engine.scheduler.decode_plans(verify_rows, [[3, 4], [5, 6]])
     runner.prepare(plan)
-    slots = plan.slots
+    before = {name: torch.stack(layers) for name, layers in pool.conv.items()}  # [L, slots, K-1, D] copies
     with torch.inference_mode():
         from inkling_compiled.runner import verify_step
         out = verify_step(engine.model, engine.worker.backend)
-    before = {name: torch.stack(layers) for name, layers in pool.conv.items()}  # [L, slots, K-1, D] copies
     engine.worker.backend.prepare_decode([r.output[-1] for r in others], [pool.slot_of[r.request_id] for r in others],
-                                  [r.cached_len for r in others], [r.sampling_row() for r in others])
-    steps = torch.tensor([2, 0])
-    runner.commit(slots, steps)
+                                         [r.cached_len for r in others], [r.sampling_row() for r in others])
+    accepted = out[1].tolist()
     for name, layers in pool.conv.items():
         t, windows = torch.stack(layers), torch.stack(pool.intermediate_conv_window[name])
-        for row, slot in enumerate(slots):
-            assert torch.equal(t[:, slot], windows[:, row, steps[row]])
+        for row, slot in enumerate(plan.slots):
+            assert torch.equal(t[:, slot], windows[:, row, accepted[row]])
+            assert not torch.equal(t[:, slot], before[name][:, slot])
         for req in others:
             slot = pool.slot_of[req.request_id]
             assert torch.equal(t[:, slot], before[name][:, slot])

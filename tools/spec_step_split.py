@@ -1,6 +1,6 @@
 """Where an MTP (or plain) decode step of a checkpoint goes, without a profiler's per-op cost: each phase
 timed around its own call (the verify, decode and draft replays, the draft step's host work, the target's
-prep per step kind and the verify commit), per step, over the checkpoint's held-out prompts.
+prep per step kind; the commits happen inside the replays), per step, over the checkpoint's held-out prompts.
 
     OMP_NUM_THREADS=1 python tools/spec_step_split.py [--model DIR] [--batch 8] [-K 2] [--plain] [--runs 3]
                                                       [--draft-quantization int8]
@@ -80,7 +80,6 @@ def main(argv=None) -> int:
     timer.wrap(worker, "execute", "worker step")
     # a verify or decode step's prep apart from the prefill's
     timer.wrap(worker.runner, "prepare", lambda plan: f"{plan.kind.value} prep")
-    timer.wrap(worker.runner, "commit", "verify commit")
     for label, step in (("verify replay", worker.verifier), ("decode replay", worker.decoder)):
         if step is not None:
             timer.wrap(step, "run", label)

@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 
 from ..backend import StepBackend
-from ..cache.pool import each_layer
 from ..errors import OptionError
 from ..graphs import Buckets, CompiledStep, InputsKeys
 from ..metadata import GREEDY_PAD
@@ -259,8 +258,8 @@ class MtpDrafter(Drafter):
 
     def _draft(self, rows: list) -> None:
         """One draft step over `rows` (track, known tokens, certain tokens n): every depth runs its row
-        of T tokens, then each depth's windows after its n-th token are committed, its carry kept, and
-        its state moves on by n."""
+        of T tokens, and the step itself commits each depth's windows after its n-th token and keeps its
+        carry; each row's state then moves on by n."""
         T, B = self.tokens_per_row, len(rows)
         bucket = self.buckets.bucket_for(B) or B
         slots = [track.slot for track, _, _ in rows]
@@ -279,15 +278,10 @@ class MtpDrafter(Drafter):
             if self.compiled is not None:
                 key = self.inputs_key(bucket, prev, *(backend.buffers.published for backend in self.backends))
                 with nvtx_range(f"{DRAFT_REPLAY} {bucket} ({B} rows)"):  # `profile` labels its ops by this name
-                    drafts, *carried = self.compiled.run(bucket, inputs=key)
+                    drafts, = self.compiled.run(bucket, inputs=key)
             else:
                 with nvtx_range(f"draft {B} rows (eager)"):
-                    drafts, *carried = draft_step(self.model, self.head, self.backends, prev, self.carries)
-        slot_ids = torch.tensor(slots, device=prev.device)
-        for carry, out in zip(self.carries, carried):
-            carry.index_copy_(0, slot_ids, out[:B])
-        torch.ops.inkling.commit_conv_windows(each_layer(self.pool.conv.values()), self.pool.draft_windows(), slot_ids,
-                                              torch.tensor([n - 1 for n in counts], device=prev.device))
+                    drafts, = draft_step(self.model, self.head, self.backends, prev, self.carries)
         for (track, known, n), row in zip(rows, drafts[:B].tolist()):
             self._advance(track, [d + n for d in track.done])
             track.drafted_at, track.drafts = len(known) - 1, row

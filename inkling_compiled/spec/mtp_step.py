@@ -72,12 +72,14 @@ def clear_slot(pool: StatePool, slot: int, start: int) -> None:
 
 
 def draft_step(model, head, backends: list[StepBackend], prev: torch.Tensor, carries: list[torch.Tensor]
-               ) -> tuple[torch.Tensor, ...]:
+               ) -> tuple[torch.Tensor]:
     """Every depth of `head` (the loaded MTP head or the drafter's int8 copy of it) over the rows the
     backends' verify metadata describe (see the module docstring). prev [B*T, H]: depth 0's input, the
-    target's hidden states at the rows' certain positions. Returns the drafts [B, K] and, per depth but the
-    last, its output at each row's last certain position (the next step's carry: written back by the
-    caller, after the step)."""
+    target's hidden states at the rows' certain positions. Returns (drafts [B, K],). Before it returns,
+    the step moves each row's state on by its n certain tokens, as a verify step commits inside itself:
+    per depth but the last, its output at the row's last certain position becomes the slot's carry (once
+    every depth has read the old one), and each depth's conv windows after token n-1 are committed (a
+    padding row, n = 0, commits nothing; its carry goes to the dummy slot)."""
     md = backends[0].metadata
     B = check_verify_shapes(md)
     T = md.draft_tokens + 1
@@ -96,7 +98,12 @@ def draft_step(model, head, backends: list[StepBackend], prev: torch.Tensor, car
             tokens = tokens.scatter(1, (n + i)[:, None], draft[:, None])
             first = carries[i][md.cache_indices.long()]
             x = torch.cat([first[:, None], out[:, :T - 1]], dim=1).reshape(B * T, -1)
-    return (torch.stack(drafts, dim=1), *carried)
+    for carry, kept in zip(carries, carried):
+        carry.index_copy_(0, md.cache_indices.long(), kept)
+    pool = backends[0].pool
+    torch.ops.inkling.commit_conv_windows(each_layer(pool.conv.values()), pool.draft_windows(), md.cache_indices,
+                                          n - 1)
+    return (torch.stack(drafts, dim=1),)  # a tuple, as every compiled step's outputs (a bound replay needs one)
 
 
 _STEPS = itertools.count()
@@ -119,7 +126,7 @@ class DraftStep(nn.Module):
         """What Dynamo's guards watch: each depth's metadata, the input view and the instance number."""
         return (*(f"self.backends[{i}].metadata" for i in range(len(self.backends))), "self.prev", INSTANCE_SOURCE)
 
-    def forward(self) -> tuple[torch.Tensor, ...]:
+    def forward(self) -> tuple[torch.Tensor]:
         if self.instance < 0:  # never true: the comparison makes Dynamo guard on the instance number
             raise AssertionError(self.instance)
         return draft_step(self.model, self.head, self.backends, self.prev, self.carries)
