@@ -69,15 +69,27 @@ def _to_int8(linear: Linear, weight: torch.Tensor) -> None:
 class _Track:
     """What the drafter knows of one request: its slot, the first position its head history covers (past a
     prefix-cache hit, the cached tokens have no target hidden), per depth the first position not taken in
-    yet, the target's hidden states at the positions depth 0 has not taken in, and the drafts it last made
-    (for the newest position `drafted_at`)."""
+    yet, the target's hidden states at the positions depth 0 has not taken in (by position, and those of
+    the last verify step as it handed them over: `recent`), and the drafts it last made (for the newest
+    position `drafted_at`)."""
 
     slot: int
     start: int
     done: list[int]
     hidden: dict[int, torch.Tensor]
+    # (the verify step's hidden states [rows, K+1, H], this request's row, the position of its first token,
+    # the tokens it emitted): kept whole, so that the draft step after it copies every row in one op
+    recent: tuple[torch.Tensor, int, int, int] | None = None
     drafted_at: int = -1
     drafts: list[int] | None = None
+
+    def settle(self) -> None:
+        """`recent`'s rows not taken in yet, moved into `hidden` by position (one view each)."""
+        if self.recent is not None:
+            block, row, first, n = self.recent
+            for j in range(max(self.done[0] - first, 0), n):
+                self.hidden[first + j] = block[row, j]
+            self.recent = None
 
 
 class MtpDrafter(Drafter):
@@ -191,6 +203,7 @@ class MtpDrafter(Drafter):
                 slot = self.slot_of[req.request_id]
                 track = self.tracks[req] = _Track(slot, req.prefilled, [req.prefilled] * self.depths, {})
                 clear_slot(self.pool, slot, req.prefilled)
+            track.settle()
             rows = hidden[start:start + n].clone()  # its own copy: the packed step output can go
             for j in range(n):
                 track.hidden[req.prefilled + j] = rows[j]
@@ -205,9 +218,8 @@ class MtpDrafter(Drafter):
             track = self.tracks.get(req)
             if track is None or req.finish_reason is not None:
                 continue
-            first = len(req.prompt) + len(req.output) - 1 - n  # position of the step's first input
-            for j in range(n):
-                track.hidden[first + j] = hidden[i, j]
+            track.settle()  # (a row the last draft step did not take: its states by position)
+            track.recent = (hidden, i, len(req.prompt) + len(req.output) - 1 - n, n)  # from its first input on
 
     # ---- drafting ---------------------------------------------------------------------------------
 
@@ -246,6 +258,7 @@ class MtpDrafter(Drafter):
                 ready.append((track, known, n))
                 continue
             # A draft step needs depth i to stand at P-1-i (one certain position each) past the history's start.
+            track.settle()
             leave_one = all(d <= P - 1 - i for i, d in enumerate(done)) and P - K >= track.start
             behind.append((track, known, [P - i - leave_one for i in range(K)]))
             if leave_one:
@@ -271,8 +284,13 @@ class MtpDrafter(Drafter):
                                        counts, [GREEDY_PAD] * B, pad_to=bucket)
             prev = self.inputs.view(bucket)
             by_row = prev.view(bucket, T, -1)
-            for r, (track, _, n) in enumerate(rows):  # each row's n certain positions, stacked in place
-                torch.stack([track.hidden[track.done[0] + j] for j in range(n)], out=by_row[r, :n])
+            block = self._last_verify(rows)
+            if block is not None:  # row r is the last verify's row r, from its first token: one copy for all
+                by_row[:B, :block.shape[1]].copy_(block if block.shape[0] == B else block[:B])
+            else:
+                for r, (track, _, n) in enumerate(rows):  # each row's n certain positions, stacked in place
+                    track.settle()
+                    torch.stack([track.hidden[track.done[0] + j] for j in range(n)], out=by_row[r, :n])
             self.step.prev = prev
         with self.pinned():
             if self.compiled is not None:
@@ -282,12 +300,27 @@ class MtpDrafter(Drafter):
             else:
                 with nvtx_range(f"draft {B} rows (eager)"):
                     drafts, = draft_step(self.model, self.head, self.backends, prev, self.carries)
-        for (track, known, n), row in zip(rows, drafts[:B].tolist()):
+        for (track, known, n), row in zip(rows, (drafts if B == bucket else drafts[:B]).tolist()):
             self._advance(track, [d + n for d in track.done])
             track.drafted_at, track.drafts = len(known) - 1, row
 
+    @staticmethod
+    def _last_verify(rows: list) -> torch.Tensor | None:
+        """The last verify step's hidden states, where they are every row's certain inputs in place: row r
+        of the draft step is that step's row r, its first token at the position its depth 0 stands (the
+        extra tokens land on the draft rows' padding, which nothing reads as certain). Else None."""
+        block = rows[0][0].recent[0] if rows[0][0].recent is not None else None
+        for r, (track, _, n) in enumerate(rows):
+            recent = track.recent
+            if recent is None or recent[0] is not block or recent[1] != r or recent[2] != track.done[0] \
+                    or recent[3] != n:
+                return None
+        return block
+
     def _advance(self, track: _Track, done: list[int]) -> None:
         track.done = done
+        if track.recent is not None and track.recent[2] + track.recent[3] <= done[0]:
+            track.recent = None  # taken in
         for q in [q for q in track.hidden if q < done[0]]:
             del track.hidden[q]
 
