@@ -389,10 +389,10 @@ def test_continuous_batching_staggered_arrivals_and_aborts(checkpoint, plain_out
 
 
 def test_the_verify_step_commits_its_own_rows_slots(checkpoint):
-    """The verify step commits inside itself: each verify row's slot takes the window saved after its last
-    accepted token (read from the saved windows, which the commit does not write), every other slot stays
-    as it was, and refilling the step buffers for another batch afterwards (as the next step's prep does)
-    changes nothing."""
+    """The verify step commits inside itself, on its own rows' slots: each verify row's slot takes the
+    window saved after its last accepted token (read from the saved windows, which the commit does not
+    write), and every other slot stays as it was, also once the step buffers are refilled for another
+    batch (as the next step's prep does; the commit SGLang made after the step read them from there)."""
     engine = engine_for(checkpoint, max_batch_size=4, max_model_len=64, speculative="ngram", num_speculative_tokens=2)
     for i in range(4):
         engine.add_request(random_prompt(5 + i, seed=50 + i), SamplingParams(max_new_tokens=20, ignore_eos=True))
