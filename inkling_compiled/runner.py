@@ -101,6 +101,12 @@ class VerifyOutput(msgspec.Struct):
                        top_logprobs=rows(flat.top_logprobs), accepted=accepted)
 
 
+def _rows(out: tuple[torch.Tensor, ...], rows: int) -> list[torch.Tensor]:
+    """A decode or verify step's outputs cut to the plan's rows: sliced only past them (a bucket's padding),
+    since each op of a step's host work runs cold, after the replay has swept the caches."""
+    return [t if t.shape[0] == rows else t[:rows] for t in out]
+
+
 def _top(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
     return logprobs.gather(-1, tokens[:, None])[:, 0], top.indices, top.values
@@ -265,8 +271,8 @@ class Runner:
                 return StepOutput(tokens, chosen, top_ids, top_vals, every if self.with_hidden else None,
                                   prompt=score_prompt(self.model, every, plan))
         if plan.kind is StepKind.DECODE:
-            return StepOutput(*(t[:plan.rows] for t in out))
-        return VerifyOutput(*(t[:plan.rows] for t in out))
+            return StepOutput(*_rows(out, plan.rows))
+        return VerifyOutput(*_rows(out, plan.rows))
 
     def _run_compiled(self, compiled, plan: StepPlan) -> tuple[torch.Tensor, ...]:
         """The compiled step of the plan's kind. A decode or verify bucket reads the same metadata slices at

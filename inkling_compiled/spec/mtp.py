@@ -283,15 +283,16 @@ class MtpDrafter(Drafter):
                 backend.prepare_verify(tokens, slots, [track.done[i] for track, _, _ in rows], [self.capacity] * B,
                                        counts, [GREEDY_PAD] * B, pad_to=bucket)
             prev = self.inputs.view(bucket)
-            by_row = prev.view(bucket, T, -1)
             block = self._last_verify(rows)
             if block is not None:  # row r is the last verify's row r, from its first token: one copy for all
-                by_row[:B, :block.shape[1]].copy_(block if block.shape[0] == B else block[:B])
+                self.inputs.rows_view(B, block.shape[1]).copy_(block if block.shape[0] == B else block[:B])
             else:
+                by_row = self.inputs.rows_view(bucket, T)
                 for r, (track, _, n) in enumerate(rows):  # each row's n certain positions, stacked in place
                     track.settle()
                     torch.stack([track.hidden[track.done[0] + j] for j in range(n)], out=by_row[r, :n])
-            self.step.prev = prev
+            if self.step.prev is not prev:  # a bucket's kept view: the same at its every step (a module setattr costs)
+                self.step.prev = prev
         with self.pinned():
             if self.compiled is not None:
                 key = self.inputs_key(bucket, prev, *(backend.buffers.published for backend in self.backends))

@@ -141,6 +141,7 @@ class DraftInputs:
         self.T = tokens_per_row
         self.buffer = mark_static(torch.zeros(max_rows * tokens_per_row, hidden, dtype=dtype, device=device))
         self.views: dict[int, torch.Tensor] = {}
+        self.row_views: dict[tuple[int, int], torch.Tensor] = {}  # the host's views to fill rows through
         self.symbolic: range | None = None
 
     def view(self, rows: int) -> torch.Tensor:
@@ -149,6 +150,14 @@ class DraftInputs:
             view = self.views[rows] = mark_static(self.buffer[:rows * self.T].view(rows * self.T, -1))
             if self.symbolic is not None and rows in self.symbolic:
                 _mark_batch(view, PerToken(view.dtype), self.symbolic, self.T)
+        return view
+
+    def rows_view(self, rows: int, tokens: int) -> torch.Tensor:
+        """[rows, tokens, H]: the first `tokens` positions of each of the first `rows` rows, a view kept per
+        shape (what the host writes through, never a graph's input: a host op after a replay runs cold)."""
+        view = self.row_views.get((rows, tokens))
+        if view is None:
+            view = self.row_views[rows, tokens] = self.buffer[:rows * self.T].view(rows, self.T, -1)[:, :tokens]
         return view
 
     def mark_for_tracing(self, batch: range | None) -> None:
