@@ -21,7 +21,7 @@ import torch
 from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
 from .attention import attend_from_scratch
 from .cache import StatePool
-from .cache.pool import BLOCK_TABLE_MIN_WIDTH
+from .cache.pool import BLOCK_TABLE_MIN_WIDTH, each_layer
 from .config import InklingConfig, LayerGeometry
 from .custom_ops.reference import packed_causal_conv
 from .metadata import StepMetadata
@@ -101,6 +101,15 @@ class PoolContext:
                                                md.checkpoint_ends, md.checkpoint_indices)
             return torch.ops.inkling.sconv_extend(x32, state, weight, md.query_start_loc, md.has_initial_state,
                                                   md.cache_indices, layer_id, stream)
+
+    def commit_conv_windows(self, steps: torch.Tensor) -> None:
+        """After a verify-kind forward: each row's slot takes, in every (stream, layer), the window saved after
+        its token `steps[row]` (a negative step leaves the slot alone). The slots are this step's own
+        metadata, read inside the step, so no later prep can have refilled them; a padding row commits to
+        the dummy slot. The verify step commits its accepted drafts so, the MTP draft step its certain tokens."""
+        pool = self.pool
+        torch.ops.inkling.commit_conv_windows(each_layer(pool.conv.values()), pool.draft_windows(),
+                                              self.metadata.cache_indices, steps)
 
     def block_table(self) -> torch.Tensor:
         """The pool's block table, with what the compiler may assume of its width. The width is a size

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from .backend import StepBackend
-from .cache.pool import each_layer
 from .graphs.capture import INSTANCE_SOURCE
 from .metadata import StepMetadata, check_verify_shapes
 from .model import InklingForCausalLM
@@ -126,8 +125,7 @@ def forward_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: b
 def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bool = False) -> tuple[torch.Tensor, ...]:
     """A speculative verify step: the target over every row's K+1 tokens, then acceptance (`verify_drafts`),
     then the commit. The conv ops save each token's window and leave the slots alone; each row's slot then
-    takes the window saved after its last accepted token, inside the step: the slot ids are this step's
-    own, read before any later prep can refill the buffers (a padding row commits to the dummy slot)."""
+    takes the window saved after its last accepted token, inside the step (`PoolContext.commit_conv_windows`)."""
     md: StepMetadata = backend.metadata
     T_d = md.draft_tokens + 1
     B = check_verify_shapes(md)
@@ -135,9 +133,7 @@ def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bo
     logits = model.logits(hidden)
     tokens, accepted, logprobs = verify_drafts(logits.view(B, T_d, -1), md.input_ids.view(B, T_d), md.drafted,
                                                md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
-    pool = backend.pool
-    torch.ops.inkling.commit_conv_windows(each_layer(pool.conv.values()), pool.draft_windows(), md.cache_indices,
-                                          accepted)
+    backend.context.commit_conv_windows(accepted)
     chosen, top_ids, top_vals = _top(tokens.reshape(-1), logprobs)
     out = (tokens, accepted, chosen.view(B, T_d), top_ids.view(B, T_d, -1), top_vals.view(B, T_d, -1))
     return (*out, hidden.view(B, T_d, -1)) if with_hidden else out

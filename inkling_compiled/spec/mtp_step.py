@@ -100,9 +100,7 @@ def draft_step(model, head, backends: list[StepBackend], prev: torch.Tensor, car
             x = torch.cat([first[:, None], out[:, :T - 1]], dim=1).reshape(B * T, -1)
     for carry, kept in zip(carries, carried):
         carry.index_copy_(0, md.cache_indices.long(), kept)
-    pool = backends[0].pool
-    torch.ops.inkling.commit_conv_windows(each_layer(pool.conv.values()), pool.draft_windows(), md.cache_indices,
-                                          n - 1)
+    backends[0].context.commit_conv_windows(n - 1)  # every depth's layer of the head pool, the slots alike
     return (torch.stack(drafts, dim=1),)  # a tuple, as every compiled step's outputs (a bound replay needs one)
 
 
