@@ -47,7 +47,8 @@ _SOURCE = Path(__file__).parent / "csrc" / "inkling_cpu.cpp"
 # The C++ file registers a CPU kernel for each of these; the others get their Python CPU kernel.
 NATIVE_CPU_OPS = ("sconv_decode", "sconv_extend", "sconv_verify", "commit_conv_windows", "kv_write", "paged_attention",
                   "ring_attention", "extend_attention", "moe_experts", "moe_experts_int8", "top_k_top_p", "linear",
-                  "linear_int8", "ring_checkpoint", "sconv_checkpoint", "cached_extend_attention")
+                  "linear_int8", "ring_checkpoint", "sconv_checkpoint", "cached_extend_attention", "sample_tokens",
+                  "verify_tokens")
 
 KERNELS: dict[str, dict[str, Callable]] = {}  # op name -> {"reference" | "CPU" | "CUDA": kernel}
 

@@ -15,7 +15,7 @@ from .graphs.capture import INSTANCE_SOURCE
 from .metadata import StepMetadata, check_verify_shapes
 from .model import InklingForCausalLM
 from .nvtx import DECODE_REPLAY, VERIFY_REPLAY, nvtx_range
-from .sampling import MAX_TOP_LOGPROBS, sample, verify_drafts
+from .sampling import sample_with_logprobs, verify_with_logprobs
 from .step_plan import PromptScores, Sampled, StepKind, StepPlan
 
 # Prompt positions scored per lm_head call: bounds the [positions, vocab] logits a long chunk would make.
@@ -106,11 +106,6 @@ def _rows(out: tuple[torch.Tensor, ...], rows: int) -> list[torch.Tensor]:
     return [t if t.shape[0] == rows else t[:rows] for t in out]
 
 
-def _top(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
-    return logprobs.gather(-1, tokens[:, None])[:, 0], top.indices, top.values
-
-
 def forward_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bool = False) -> tuple[torch.Tensor, ...]:
     """The whole step as one function of the static buffers (what the compiled path captures)."""
     md: StepMetadata = backend.metadata
@@ -118,8 +113,8 @@ def forward_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: b
     if not md.is_decode:
         hidden = hidden[md.last_token_index]
     logits = model.logits(hidden)
-    tokens, logprobs = sample(logits, md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
-    return (tokens, *_top(tokens, logprobs), *((every,) if with_hidden else ()))
+    drawn = sample_with_logprobs(logits, md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
+    return (*drawn, *((every,) if with_hidden else ()))
 
 
 def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bool = False) -> tuple[torch.Tensor, ...]:
@@ -131,11 +126,9 @@ def verify_step(model: InklingForCausalLM, backend: StepBackend, with_hidden: bo
     B = check_verify_shapes(md)
     hidden = model.hidden_states(md.input_ids, backend.context)
     logits = model.logits(hidden)
-    tokens, accepted, logprobs = verify_drafts(logits.view(B, T_d, -1), md.input_ids.view(B, T_d), md.drafted,
-                                               md.temperature, md.top_k, md.top_p, md.seed, md.sample_counter)
-    backend.context.commit_conv_windows(accepted)
-    chosen, top_ids, top_vals = _top(tokens.reshape(-1), logprobs)
-    out = (tokens, accepted, chosen.view(B, T_d), top_ids.view(B, T_d, -1), top_vals.view(B, T_d, -1))
+    out = verify_with_logprobs(logits.view(B, T_d, -1), md.input_ids.view(B, T_d), md.drafted, md.temperature,
+                               md.top_k, md.top_p, md.seed, md.sample_counter)
+    backend.context.commit_conv_windows(out[1])  # each row's windows after its accepted drafts
     return (*out, hidden.view(B, T_d, -1)) if with_hidden else out
 
 

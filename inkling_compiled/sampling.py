@@ -1,10 +1,10 @@
-"""Sampling parameters and the batched sampler.
+"""Sampling parameters, the seed key a request hashes with, and the sampler a step calls.
 
-The sampler is pure tensor math with per-row parameters, so a batch of greedy, temperature, top-k
-and top-p rows runs as one program (and can live inside a compiled step). Randomness is
-counter-based: the noise for a row is a hash of (request seed, index of the token being generated,
-vocab id), so the same seed gives the same tokens whatever else is in the batch, and nothing depends
-on a `torch.Generator`'s hidden state.
+The sampler's math (`custom_ops/sampling.py`) is pure tensor math with per-row parameters, so a batch of
+greedy, temperature, top-k and top-p rows runs as one program inside a compiled step; its randomness is
+counter-based (a hash of the request's seed key, the index of the token being generated and the vocab id),
+so the same seed gives the same tokens whatever else is in the batch. A CPU step runs it as the
+`sample_tokens` / `verify_tokens` ops (C++), a GPU step as torch math that inductor fuses.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import msgspec
 import numpy as np
 import torch
 
-from . import custom_ops  # noqa: F401  (registers torch.ops.inkling)
+from .custom_ops import sampling as _ops
+from .custom_ops.sampling import sample, uniform_noise, unit_interval, verify_drafts  # noqa: F401  (the sampler's math)
 from .checks import is_finite, is_int
 from .errors import RequestError
 
@@ -83,98 +84,24 @@ def seed_key(seed: int) -> int:
     return (z ^ (z >> 31)) & _MASK32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    # An integer finaliser; every product stays below 2^63 so int64 never overflows.
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _MASK32
-    return x ^ (x >> 16)
+def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A step's draw and what it reports: (tokens [B], their logprobs [B], the MAX_TOP_LOGPROBS most likely
+    ids [B, n] and their logprobs [B, n]). On CPU the `sample_tokens` op; elsewhere its torch math, which
+    inductor fuses into the step's kernels."""
+    args = (logits.float(), temperature, top_k, top_p, seed, counter, MAX_TOP_LOGPROBS)
+    if logits.device.type == "cpu":
+        return torch.ops.inkling.sample_tokens(*args)
+    return _ops.sample_tokens_reference(*args)
 
 
-def uniform_noise(seed: torch.Tensor, counter: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0,1) [B, vocab] from per-row seed keys [B] (`seed_key`, 32-bit) and counters [B], independent
-    of batch layout."""
-    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    x = _mix32(seed ^ ((counter * 0x27D4EB2D) & _MASK32))
-    x = _mix32(x[:, None] ^ ((ids[None, :] * 0x165667B1) & _MASK32))
-    return unit_interval(x)
-
-
-def unit_interval(x: torch.Tensor) -> torch.Tensor:
-    """32-bit hashes to fp32 strictly inside (0, 1): the top 23 bits, centred. (24 bits would round the
-    largest to exactly 1.0 in fp32, whose Gumbel noise is +inf: that entry would win whatever its logit.)"""
-    return ((x >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-
-
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seed: torch.Tensor, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chooses one token per row; returns (token ids [B] int64, log-softmax of the raw logits [B, V]).
-
-    Rows with temperature 0 take the argmax. Others: logits / temperature, keep the top_k (0 = all),
-    then the smallest prefix whose probability reaches top_p, then Gumbel-max with the row's noise.
-    """
-    logits = logits.float()
-    V = logits.shape[-1]
-    logprobs = torch.log_softmax(logits, dim=-1)
-    scaled = logits / temperature.clamp(min=1e-6)[:, None]
-
-    candidates = torch.ops.inkling.top_k_top_p(scaled, top_k, top_p)  # sorts only rows that filter
-
-    gumbel = -torch.log(-torch.log(uniform_noise(seed, counter, V)))
-    sampled = (candidates + gumbel).argmax(dim=-1)
-    tokens = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
-    return tokens, logprobs
-
-
-
-def _per_token(row_values: torch.Tensor, tokens_per_row: int) -> torch.Tensor:
-    return row_values[:, None].expand(-1, tokens_per_row).reshape(-1)
-
-
-def verify_drafts(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, temperature: torch.Tensor,
-                  top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Acceptance of K drafts per row, as one program (it runs inside the compiled verify step).
-
-    logits [B, K+1, V] at each row's K+1 verify positions; inputs [B, K+1] the tokens fed in (the newest
-    token, then drafts d_1..d_K: position i's draft is d_{i+1}); drafted [B] how many of those drafts are
-    real (the rest are stand-ins that fill the row: never accepted, never removed from a distribution, so
-    a row without drafts gets exactly plain decoding's token). Returns (tokens [B, K+1], accepted [B] in
-    0..drafted, log-softmax [B*(K+1), V]): the row emits tokens[:accepted+1], the accepted drafts then one
-    token of the target's own.
-
-    Greedy rows accept a draft while it is the argmax, and take the argmax where they stop: exactly what
-    decoding one token at a time gives. Sampled rows use rejection sampling with the draft as a point
-    mass: position i accepts d with probability p_i(d) under the row's filtered target distribution
-    (temperature, top-k, top-p), and at the first rejection samples from p_i with d removed; with every
-    draft accepted the bonus is sampled from p_K. Each emitted token is then distributed as the target
-    says. Randomness is counter-based: position i's noise is that of token index counter + i, the accept
-    draw a column of its own (V), so a seeded request is reproducible whatever the batch.
-    """
-    B, T_d, V = logits.shape
-    flat = logits.reshape(B * T_d, V).float()
-    logprobs = torch.log_softmax(flat, dim=-1)
-    temperature_t = _per_token(temperature, T_d)
-    scaled = flat / temperature_t.clamp(min=1e-6)[:, None]
-    candidates = torch.ops.inkling.top_k_top_p(scaled, _per_token(top_k, T_d), _per_token(top_p, T_d))
-    probs = torch.softmax(candidates, dim=-1)
-    greedy = flat.argmax(dim=-1)
-
-    position = torch.arange(T_d, device=logits.device)
-    counters = (counter[:, None] + position).reshape(-1)
-    noise = uniform_noise(_per_token(seed, T_d), counters, V + 1)
-    has_draft = (position[None, :] < drafted[:, None]).reshape(-1)
-    # the last column is a stand-in; a stand-in may lie outside the logits (the unpadded vocabulary)
-    draft = torch.cat([inputs[:, 1:], inputs[:, :1]], dim=1).reshape(-1).clamp(0, V - 1)
-    sampled_row = temperature_t > 0
-    accept = torch.where(sampled_row, noise[:, V] < probs.gather(1, draft[:, None])[:, 0], draft == greedy)
-    accept = (accept & has_draft).view(B, T_d)
-    accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # length of the leading accepted run
-
-    removed = has_draft[:, None] & (torch.arange(V, device=logits.device)[None, :] == draft[:, None])
-    residual = candidates.masked_fill(removed, float("-inf"))
-    gumbel = -torch.log(-torch.log(noise[:, :V]))
-    own = torch.where(sampled_row, (residual + gumbel).argmax(dim=-1), greedy).view(B, T_d)
-    tokens = torch.where(position[None, :] < accepted[:, None], draft.view(B, T_d), own)
-    return tokens, accepted, logprobs
+def verify_with_logprobs(logits: torch.Tensor, inputs: torch.Tensor, drafted: torch.Tensor, temperature: torch.Tensor,
+                         top_k: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor
+                         ) -> tuple[torch.Tensor, ...]:
+    """A verify step's acceptance (`verify_drafts`) and what it reports: (tokens [B, K+1], accepted [B], the
+    tokens' logprobs [B, K+1], the top ids and logprobs [B, K+1, n]). On CPU the `verify_tokens` op;
+    elsewhere its torch math."""
+    args = (logits.float(), inputs, drafted, temperature, top_k, top_p, seed, counter, MAX_TOP_LOGPROBS)
+    if logits.device.type == "cpu":
+        return torch.ops.inkling.verify_tokens(*args)
+    return _ops.verify_tokens_reference(*args)

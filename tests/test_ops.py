@@ -149,14 +149,16 @@ def registered(op: str, key: str) -> str:
 @pytest.mark.parametrize("op", sorted(KERNELS))
 def test_each_op_has_its_kernels_per_dispatch_key(op):
     """CPU: the C++ kernel for the ops it covers, Python otherwise; CUDA: the op's Triton launcher (cuBLAS
-    for `linear`, the host wait for `wait_layer`); no catch-all registration that would hand one kernel
-    to every device."""
+    for `linear`, the host wait for `wait_layer`, the samplers' torch math, which a GPU step inlines
+    instead of calling the op); no catch-all registration that would hand one kernel to every device."""
     assert set(KERNELS[op]) == {"reference", "CPU", "CUDA"}
     assert native_kernels()  # loaded on the first call of any native op: this test may run first
     cpu = registered(op, "CPU")
     assert ("inkling_cpu.cpp" in cpu) == (op in NATIVE_CPU_OPS), cpu
     assert registered(op, "CUDA").startswith(str(Path(__file__).resolve().parent.parent / "custom_ops"))
-    if op not in ("linear", "wait_layer"):
+    if op in ("sample_tokens", "verify_tokens"):
+        assert KERNELS[op]["CUDA"] is KERNELS[op]["reference"]
+    elif op not in ("linear", "wait_layer"):
         assert KERNELS[op]["CUDA"].__name__.endswith(f".{op}")  # gpu/<module>.py's launcher, loaded on first call
     dump = torch._C._dispatch_dump(f"inkling::{op}")
     assert "CompositeExplicitAutograd:" not in dump and "CompositeImplicitAutograd:" not in dump

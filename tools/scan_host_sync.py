@@ -26,12 +26,13 @@ DATA_SHAPED = {"nonzero", "argwhere", "unique", "unique_consecutive", "masked_se
 REDUCTIONS = {"max", "min", "sum", "any", "all", "argmax", "argmin", "prod"}
 # file -> qualified names (a class covers its methods) of what the decode step traces
 TRACED = {
-    "inkling_compiled/runner.py": {"forward_step", "verify_step", "_top", "DecodeStep", "VerifyStep"},
+    "inkling_compiled/runner.py": {"forward_step", "verify_step", "DecodeStep", "VerifyStep"},
     "inkling_compiled/model.py": {"*"},
     "inkling_compiled/contexts.py": {"PoolContext"},
     "inkling_compiled/attention.py": {"attend", "attend_ring"},
-    "inkling_compiled/sampling.py": {"sample", "uniform_noise", "unit_interval", "_mix32", "verify_drafts",
-                                      "_per_token"},
+    "inkling_compiled/sampling.py": {"sample_with_logprobs", "verify_with_logprobs"},
+    "custom_ops/sampling.py": {"sample", "uniform_noise", "unit_interval", "_mix32", "verify_drafts", "_per_token",
+                               "top_logprobs"},
     "inkling_compiled/config.py": {"InklingConfig.log_scale", "LayerGeometry"},
     "inkling_compiled/cache/pool.py": {"StatePool.layer_index", "StatePool.kv_index", "StatePool._wait_for",
                                        "StatePool.layer_state", "StatePool.draft_windows", "each_layer"},

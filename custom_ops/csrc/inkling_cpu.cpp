@@ -915,21 +915,25 @@ template <> struct Lanes<16> {
   typedef int32_t i __attribute__((vector_size(64)));
   typedef int16_t s __attribute__((vector_size(32)));
   typedef int8_t b __attribute__((vector_size(16)));
+  typedef uint32_t u __attribute__((vector_size(64)));
 };
 template <> struct Lanes<8> {
   typedef float f __attribute__((vector_size(32)));
   typedef int32_t i __attribute__((vector_size(32)));
   typedef int16_t s __attribute__((vector_size(16)));
   typedef int8_t b __attribute__((vector_size(8)));
+  typedef uint32_t u __attribute__((vector_size(32)));
 };
 template <> struct Lanes<4> {
   typedef float f __attribute__((vector_size(16)));
   typedef int32_t i __attribute__((vector_size(16)));
   typedef int16_t s __attribute__((vector_size(8)));
   typedef int8_t b __attribute__((vector_size(4)));
+  typedef uint32_t u __attribute__((vector_size(16)));
 };
 template <int W> using vecf = typename Lanes<W>::f;
 template <int W> using veci = typename Lanes<W>::i;
+template <int W> using vecu = typename Lanes<W>::u;
 typedef vecf<16> vec16;
 typedef vecf<8> vec8;
 typedef vecf<4> vec4;
@@ -1546,6 +1550,119 @@ INKLING_INLINE void silu_mul_body(const float* gu, int64_t rows, int64_t I, floa
   }
 }
 
+// ---- The sampler's passes over one row of V logits (sample_tokens, verify_tokens) ----------------------
+
+// ln x in W lanes for normal x > 0 (the sampler's noise stays within (2^-25, 17)): x = m 2^e with m in
+// [sqrt(1/2), sqrt(2)), ln m by Cephes' logf polynomial in m - 1, plus e ln 2 in two parts; within about
+// an ulp of std::log.
+template <int W>
+INKLING_INLINE vecf<W> logv(vecf<W> x) {
+  typedef vecf<W> V;
+  veci<W> bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const veci<W> mantissa = (bits & 0x007fffff) | 0x3f000000;  // m in [0.5, 1), x = m 2^(e + 1)
+  V m;
+  std::memcpy(&m, &mantissa, sizeof m);
+  const veci<W> low = m < (V{} + 0.70710678f);  // -1 where m < sqrt(1/2): take 2m and one less exponent
+  const V e = __builtin_convertvector(((bits >> 23) & 0xff) - 126 + low, V);
+  const V f = (low ? m + m : m) - 1.0f;
+  const V z = f * f;
+  V y = V{} + 7.0376836292e-2f;
+  y = y * f - 1.1514610310e-1f;
+  y = y * f + 1.1676998740e-1f;
+  y = y * f - 1.2420140846e-1f;
+  y = y * f + 1.4249322787e-1f;
+  y = y * f - 1.6668057665e-1f;
+  y = y * f + 2.0000714765e-1f;
+  y = y * f - 2.4999993993e-1f;
+  y = y * f + 3.3333331174e-1f;
+  y = y * f * z + e * -2.12194440e-4f - 0.5f * z;
+  return f + y + e * 0.693359375f;
+}
+
+// uniform_noise's hash of (row key, vocabulary id), W ids from i on, as U(0, 1) (unit_interval): the
+// Python's int64 products masked to 32 bits are these uint32 products.
+template <int W>
+INKLING_INLINE vecf<W> uniform_lanes(uint32_t key, int64_t i) {
+  vecu<W> x;
+  for (int l = 0; l < W; ++l) x[l] = static_cast<uint32_t>(i + l);
+  x = (x * 0x165667B1u) ^ key;
+  for (int round = 0; round < 2; ++round) {
+    x ^= x >> 16;
+    x *= 0x45D9F3Bu;
+  }
+  x ^= x >> 16;
+  x >>= 9;  // 23 bits: an int32 as it is
+  return (__builtin_convertvector(reinterpret_cast<veci<W>&>(x), vecf<W>) + 0.5f) * (1.0f / 8388608.0f);
+}
+
+// A row's largest value, the first index that holds it (torch.argmax's choice), and the sum of e^(x - max)
+// (the log-softmax's denominator, expv's exp). Rows are finite logits.
+template <int W>
+INKLING_INLINE void row_max_sum_body(const float* x, int64_t V, float* max_out, int64_t* at_out, float* sum_out) {
+  vecf<W> top = vecf<W>{} - INFINITY;
+  int64_t i = 0;
+  for (; i + W <= V; i += W) {
+    const vecf<W> v = loadv<W>(x + i);
+    top = v > top ? v : top;
+  }
+  float mx = -INFINITY;
+  for (int l = 0; l < W; ++l) mx = top[l] > mx ? top[l] : mx;
+  for (; i < V; ++i) mx = x[i] > mx ? x[i] : mx;
+  int64_t at = 0;
+  while (at + 1 < V && x[at] != mx) ++at;
+  vecf<W> acc = {};
+  for (i = 0; i + W <= V; i += W) acc += expv<W>(loadv<W>(x + i) - mx);
+  float total = sumv(acc);
+  for (; i < V; ++i) total += std::exp(x[i] - mx);
+  *max_out = mx, *at_out = at, *sum_out = total;
+}
+
+// The n (1 <= n <= V) largest of a row, largest first, equal values by lower index first: values to vals,
+// indices to ids. One pass; a vector of W is looked at lane by lane only where a lane beats the n-th kept.
+template <int W>
+INKLING_INLINE void top_n_body(const float* x, int64_t V, int64_t n, int64_t* ids, float* vals) {
+  int64_t kept = 0;
+  auto keep = [&](float v, int64_t id) {  // v beats the n-th kept, or fewer than n are kept
+    int64_t p = kept < n ? kept++ : n - 1;
+    for (; p > 0 && vals[p - 1] < v; --p) vals[p] = vals[p - 1], ids[p] = ids[p - 1];
+    vals[p] = v, ids[p] = id;
+  };
+  int64_t i = 0;
+  for (; i < n; ++i) keep(x[i], i);
+  float floor = vals[n - 1];
+  for (; i + W <= V; i += W) {
+    const veci<W> above = loadv<W>(x + i) > (vecf<W>{} + floor);
+    bool any = false;
+    for (int l = 0; l < W; ++l) any |= above[l] != 0;
+    if (!any) continue;
+    for (int l = 0; l < W; ++l)
+      if (x[i + l] > floor) keep(x[i + l], i + l), floor = vals[n - 1];
+  }
+  for (; i < V; ++i)
+    if (x[i] > floor) keep(x[i], i), floor = vals[n - 1];
+}
+
+// The first index of the largest c_i - ln(-ln u_i), u_i the row's noise at id i (uniform_lanes), with
+// c_exclude (exclude >= 0) taken as -inf: the Gumbel-max draw of the reference, index 0 where every
+// term is -inf.
+template <int W>
+INKLING_INLINE int64_t noisy_argmax_body(const float* c, int64_t V, uint32_t key, int64_t exclude) {
+  float best = -INFINITY, terms[W];
+  int64_t at = 0;
+  for (int64_t i = 0; i < V; i += W) {
+    const int64_t lanes = std::min<int64_t>(W, V - i);
+    vecf<W> cv = vecf<W>{} - INFINITY;
+    std::memcpy(&cv, c + i, lanes * sizeof(float));
+    const vecf<W> t = cv - logv<W>(vecf<W>{} - logv<W>(uniform_lanes<W>(key, i)));
+    std::memcpy(terms, &t, sizeof terms);
+    if (exclude >= i && exclude < i + lanes) terms[exclude - i] = -INFINITY;
+    for (int64_t l = 0; l < lanes; ++l)
+      if (terms[l] > best) best = terms[l], at = i + l;
+  }
+  return at;
+}
+
 // The sums of four vectors, each by sumv's tree (so bit for bit what sumv gives); for 16 lanes with
 // the shuffles shared.
 INKLING_INLINE vec4 sum4(vec16 a0, vec16 a1, vec16 a2, vec16 a3) {
@@ -1799,6 +1916,15 @@ INKLING_INLINE void tile_softmax_values_body(float* s, int64_t n, const float* v
   }                                                                                                            \
   attributes void silu_mul_##isa_name(const float* gu, int64_t rows, int64_t I, float* act) {                  \
     silu_mul_body<width>(gu, rows, I, act);                                                                    \
+  }                                                                                                            \
+  attributes void row_max_sum_##isa_name(const float* x, int64_t V, float* mx, int64_t* at, float* total) {    \
+    row_max_sum_body<width>(x, V, mx, at, total);                                                              \
+  }                                                                                                            \
+  attributes void top_n_##isa_name(const float* x, int64_t V, int64_t n, int64_t* ids, float* vals) {          \
+    top_n_body<width>(x, V, n, ids, vals);                                                                     \
+  }                                                                                                            \
+  attributes int64_t noisy_argmax_##isa_name(const float* c, int64_t V, uint32_t key, int64_t exclude) {       \
+    return noisy_argmax_body<width>(c, V, key, exclude);                                                       \
   }
 #define INKLING_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma"), optimize("fp-contract=fast")))
 INKLING_VECTOR_FOR(avx512, INKLING_AVX512, 16)
@@ -1878,6 +2004,9 @@ struct MatmulChoice {
   void (*tile_scores)(const float*, int64_t, const float*, int64_t, int64_t, float, float*);  // AVX-512 only
   void (*tile_softmax_values)(float*, int64_t, const float*, int64_t, int64_t, float*);
   void (*widen_scaled)(const int8_t*, int64_t, int64_t, int64_t, const float*, const float*, float*);
+  void (*row_max_sum)(const float*, int64_t, float*, int64_t*, float*);
+  void (*top_n)(const float*, int64_t, int64_t, int64_t*, float*);
+  int64_t (*noisy_argmax)(const float*, int64_t, uint32_t, int64_t);
 };
 
 MatmulChoice choose_matmul() {
@@ -1889,12 +2018,15 @@ MatmulChoice choose_matmul() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if ((want.empty() || want == "avx512") && avx512)
     return {"avx512", matmul_outputs_avx512, matmul_q8_outputs_avx512, group_dots_avx512, group_values_avx512, softmax_rows_avx512,
-          silu_mul_avx512, tile_scores_avx512, tile_softmax_values_avx512, widen_scaled_avx512};
+          silu_mul_avx512, tile_scores_avx512, tile_softmax_values_avx512, widen_scaled_avx512,
+          row_max_sum_avx512, top_n_avx512, noisy_argmax_avx512};
   if ((want.empty() || want == "avx512" || want == "avx2") && avx2)
     return {"avx2", matmul_outputs_avx2, matmul_q8_outputs_avx2, group_dots_avx2, group_values_avx2, softmax_rows_avx2,
-          silu_mul_avx2, nullptr, nullptr, widen_scaled_avx2};
+          silu_mul_avx2, nullptr, nullptr, widen_scaled_avx2,
+          row_max_sum_avx2, top_n_avx2, noisy_argmax_avx2};
   return {"portable", matmul_outputs_portable, matmul_q8_outputs_portable, group_dots_portable, group_values_portable, softmax_rows_portable,
-          silu_mul_portable, nullptr, nullptr, widen_scaled_portable};
+          silu_mul_portable, nullptr, nullptr, widen_scaled_portable,
+          row_max_sum_portable, top_n_portable, noisy_argmax_portable};
 }
 
 const MatmulChoice& matmul_choice() {
@@ -2426,8 +2558,26 @@ at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& weight, const a
   return y;
 }
 
+// The least value a row keeps under top_k (0 or >= V: off) and then top_p (>= 1: off): its top_k values, then
+// the smallest prefix of them whose softmax mass reaches top_p (the top value always kept); -inf where
+// neither filters. `ord` is the caller's scratch of V floats.
+float filter_threshold(const float* row, int64_t V, int64_t want_k, float p, float* ord) {
+  const int64_t k = want_k > 0 && want_k < V ? want_k : V;
+  if (k == V && p >= 1.0f) return -INFINITY;
+  std::copy(row, row + V, ord);
+  std::partial_sort(ord, ord + k, ord + V, std::greater<float>());
+  float total = 0.0f;
+  for (int64_t j = 0; j < k; ++j) total += std::exp(ord[j] - ord[0]);
+  float threshold = ord[0], mass_before = 0.0f;
+  for (int64_t j = 0; j < k && mass_before < p; ++j) {  // the top value is always kept
+    threshold = ord[j];
+    mass_before += std::exp(ord[j] - ord[0]) / total;
+  }
+  return threshold;
+}
+
 // Sampling filter: rows asking for neither top-k nor top-p are copied as they are (no sort); the others
-// keep their top_k values, then the smallest prefix whose softmax mass reaches top_p.
+// keep the values filter_threshold keeps.
 at::Tensor top_k_top_p(const at::Tensor& scaled_in, const at::Tensor& top_k, const at::Tensor& top_p) {
   TORCH_CHECK(scaled_in.scalar_type() == at::kFloat, "top_k_top_p takes fp32 scores");
   const auto scaled = scaled_in.contiguous();
@@ -2441,26 +2591,188 @@ at::Tensor top_k_top_p(const at::Tensor& scaled_in, const at::Tensor& top_k, con
   at::parallel_for(0, B, task_grain(8 * V), [&](int64_t b0, int64_t b1) {
     std::vector<float> ord(V);
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t want = tk.data_ptr<int64_t>()[b];
-      const int64_t k = want > 0 && want < V ? want : V;
-      const float p = tp.data_ptr<float>()[b];
-      if (k == V && p >= 1.0f) continue;
       const float* row = sp + b * V;
-      std::copy(row, row + V, ord.begin());
-      std::partial_sort(ord.begin(), ord.begin() + k, ord.end(), std::greater<float>());
-      float total = 0.0f;
-      for (int64_t j = 0; j < k; ++j) total += std::exp(ord[j] - ord[0]);
-      float threshold = ord[0], mass_before = 0.0f;
-      for (int64_t j = 0; j < k && mass_before < p; ++j) {  // the top value is always kept
-        threshold = ord[j];
-        mass_before += std::exp(ord[j] - ord[0]) / total;
-      }
+      const float threshold = filter_threshold(row, V, tk.data_ptr<int64_t>()[b], tp.data_ptr<float>()[b], ord.data());
       float* dst = op + b * V;
       for (int64_t v = 0; v < V; ++v)
         if (row[v] < threshold) dst[v] = -INFINITY;
     }
   });
   return out;
+}
+
+// ---- The sampler of a decode or verify step, row by row (custom_ops/sampling.py has its reference) ----
+// A greedy row (temperature 0) costs two passes over its logits (maximum and e^ sum, then its top n); only
+// a sampled row pays for its filter and its noise, where the reference computes both for every row.
+
+uint32_t mix32(uint32_t x) {
+  for (int round = 0; round < 2; ++round) {
+    x ^= x >> 16;
+    x *= 0x45D9F3Bu;
+  }
+  return x ^ (x >> 16);
+}
+
+// One row's draw: its temperature and filters, and its noise key (uniform_noise's first mix, of the
+// request's 32-bit seed key and the index of the token being drawn).
+struct RowDraw {
+  float temperature, top_p;
+  int64_t top_k;
+  uint32_t key;
+};
+
+// Per-row parameter tensors read in place (converted only where a caller passed another dtype).
+struct RowParams {
+  at::Tensor temperature, top_k, top_p, seed, counter;
+  RowParams(const at::Tensor& t, const at::Tensor& k, const at::Tensor& p, const at::Tensor& s, const at::Tensor& c,
+            int64_t rows, const char* op)
+      : temperature(t.to(at::kFloat).contiguous()), top_k(k.to(at::kLong).contiguous()),
+        top_p(p.to(at::kFloat).contiguous()), seed(s.to(at::kLong).contiguous()), counter(c.to(at::kLong).contiguous()) {
+    for (const auto* x : {&temperature, &top_k, &top_p, &seed, &counter})
+      TORCH_CHECK(x->dim() == 1 && x->size(0) == rows, op, ": one sampling parameter per row expected");
+  }
+  // Row b drawing the token `ahead` places after its counter's.
+  RowDraw draw(int64_t b, int64_t ahead) const {
+    const uint32_t salt = static_cast<uint32_t>(counter.data_ptr<int64_t>()[b] + ahead) * 0x27D4EB2Du;
+    return {temperature.data_ptr<float>()[b], top_p.data_ptr<float>()[b], top_k.data_ptr<int64_t>()[b],
+            mix32(static_cast<uint32_t>(seed.data_ptr<int64_t>()[b]) ^ salt)};
+  }
+};
+
+// One row of logits: its greedy token, log-softmax denominator and top n, and (for a sampled row) its
+// candidates, the scaled and filtered logits the draw reads, in `work` (2 V floats of the caller's).
+struct RowLogits {
+  const float* x;
+  int64_t V;
+  float mx, log_total;
+  int64_t greedy;
+
+  RowLogits(const float* x_, int64_t V_, const MatmulChoice& kernels) : x(x_), V(V_) {
+    float total;
+    kernels.row_max_sum(x, V, &mx, &greedy, &total);
+    log_total = std::log(total);
+  }
+  float logprob(int64_t id) const { return (x[id] - mx) - log_total; }
+  void top(int64_t n, const MatmulChoice& kernels, int64_t* ids, float* vals) const {
+    if (n == 0) return;
+    kernels.top_n(x, V, n, ids, vals);
+    for (int64_t j = 0; j < n; ++j) vals[j] = (vals[j] - mx) - log_total;
+  }
+  // x / temperature (at least 1e-6), -inf outside the row's top_k and top_p, into work[0, V).
+  const float* candidates(const RowDraw& d, float* work) const {
+    const float t = std::max(d.temperature, 1e-6f);
+    for (int64_t i = 0; i < V; ++i) work[i] = x[i] / t;
+    const float threshold = filter_threshold(work, V, d.top_k, d.top_p, work + V);
+    for (int64_t i = 0; i < V; ++i)
+      if (work[i] < threshold) work[i] = -INFINITY;
+    return work;
+  }
+};
+
+void check_logits(const at::Tensor& logits, int64_t dims, int64_t top_n, const char* op) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == dims && logits.size(-1) >= 1, op,
+              ": fp32 logits of ", dims, " dimensions expected, got ", logits.scalar_type(), " ", logits.sizes());
+  TORCH_CHECK(top_n >= 0, op, ": top_n must be >= 0");
+}
+
+// A decode (or prefill) step's sampler: per row its token (the argmax where temperature is 0, else the
+// Gumbel-max draw over its candidates), the token's logprob and the top_n (at most V) logprobs, most
+// likely first.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sample_tokens(
+    const at::Tensor& logits_in, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+    const at::Tensor& seed, const at::Tensor& counter, int64_t top_n) {
+  check_logits(logits_in, 2, top_n, "sample_tokens");
+  const auto logits = logits_in.contiguous();
+  const int64_t B = logits.size(0), V = logits.size(1), n = std::min(top_n, V);
+  const RowParams params(temperature, top_k, top_p, seed, counter, B, "sample_tokens");
+  auto tokens = at::empty({B}, logits.options().dtype(at::kLong));
+  auto chosen = at::empty({B}, logits.options());
+  auto top_ids = at::empty({B, n}, logits.options().dtype(at::kLong));
+  auto top_vals = at::empty({B, n}, logits.options());
+  const MatmulChoice& kernels = matmul_choice();
+  at::parallel_for(0, B, task_grain(4 * V), [&](int64_t b0, int64_t b1) {
+    std::vector<float> work;
+    for (int64_t b = b0; b < b1; ++b) {
+      const RowLogits row(logits.data_ptr<float>() + b * V, V, kernels);
+      const RowDraw d = params.draw(b, 0);
+      int64_t token = row.greedy;
+      if (d.temperature > 0) {
+        work.resize(2 * V);
+        token = kernels.noisy_argmax(row.candidates(d, work.data()), V, d.key, -1);
+      }
+      tokens.data_ptr<int64_t>()[b] = token;
+      chosen.data_ptr<float>()[b] = row.logprob(token);
+      row.top(n, kernels, top_ids.data_ptr<int64_t>() + b * n, top_vals.data_ptr<float>() + b * n);
+    }
+  });
+  return {tokens, chosen, top_ids, top_vals};
+}
+
+// A verify step's sampler over rows of T positions (logits [B, T, V]; inputs [B, T], the row's newest
+// token then its drafts; drafted [B], the real drafts): position i checks draft inputs[b, i + 1] (the last
+// position a stand-in, inputs[b, 0]); a greedy row accepts a draft that is its argmax, a sampled one with
+// the draft's probability under its candidates (the accept draw is noise column V), and where it stops
+// takes its argmax, or draws from its candidates with the draft removed. Returns (tokens [B, T]: the
+// accepted drafts then each position's own, accepted [B], each token's logprob [B, T], the top_n [B, T, n]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_tokens(
+    const at::Tensor& logits_in, const at::Tensor& inputs_in, const at::Tensor& drafted_in,
+    const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& seed,
+    const at::Tensor& counter, int64_t top_n) {
+  check_logits(logits_in, 3, top_n, "verify_tokens");
+  const auto logits = logits_in.contiguous();
+  const auto inputs = inputs_in.to(at::kLong).contiguous(), drafted = drafted_in.to(at::kLong).contiguous();
+  const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2), n = std::min(top_n, V);
+  TORCH_CHECK(inputs.dim() == 2 && inputs.size(0) == B && inputs.size(1) == T && drafted.numel() == B,
+              "verify_tokens: inputs [B, T] and drafted [B] expected for logits ", logits.sizes());
+  const RowParams params(temperature, top_k, top_p, seed, counter, B, "verify_tokens");
+  auto tokens = at::empty({B, T}, logits.options().dtype(at::kLong));
+  auto accepted = at::empty({B}, logits.options().dtype(at::kLong));
+  auto chosen = at::empty({B, T}, logits.options());
+  auto top_ids = at::empty({B, T, n}, logits.options().dtype(at::kLong));
+  auto top_vals = at::empty({B, T, n}, logits.options());
+  const MatmulChoice& kernels = matmul_choice();
+  at::parallel_for(0, B, task_grain(4 * T * V), [&](int64_t b0, int64_t b1) {
+    std::vector<float> work, shift(T), logs(T);  // each position's max and log e^ sum: logprob = (x - max) - log
+    std::vector<int64_t> own(T);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t* in = inputs.data_ptr<int64_t>() + b * T;
+      const int64_t real = drafted.data_ptr<int64_t>()[b];
+      int64_t* out = tokens.data_ptr<int64_t>() + b * T;
+      int64_t run = 0;  // the leading run of accepted drafts
+      bool running = true;
+      for (int64_t i = 0; i < T; ++i) {
+        const RowLogits row(logits.data_ptr<float>() + (b * T + i) * V, V, kernels);
+        const RowDraw d = params.draw(b, i);
+        const int64_t draft = std::clamp<int64_t>(in[(i + 1) % T], 0, V - 1);
+        const bool has_draft = i < real;
+        bool accept = draft == row.greedy;
+        own[i] = row.greedy;
+        if (d.temperature > 0) {
+          work.resize(2 * V);
+          const float* c = row.candidates(d, work.data());
+          float cmax, ctotal;
+          int64_t ctop;
+          kernels.row_max_sum(c, V, &cmax, &ctop, &ctotal);
+          const float u = (static_cast<float>(mix32(d.key ^ static_cast<uint32_t>(V) * 0x165667B1u) >> 9) + 0.5f) *
+                          (1.0f / 8388608.0f);
+          accept = u < std::exp(c[draft] - cmax) / ctotal;
+          own[i] = kernels.noisy_argmax(c, V, d.key, has_draft ? draft : -1);
+        }
+        running = running && accept && has_draft;
+        run += running;
+        out[i] = draft;  // (past the run, the position's own token replaces it below)
+        row.top(n, kernels, top_ids.data_ptr<int64_t>() + (b * T + i) * n, top_vals.data_ptr<float>() + (b * T + i) * n);
+        shift[i] = row.mx, logs[i] = row.log_total;
+      }
+      accepted.data_ptr<int64_t>()[b] = run;
+      for (int64_t i = 0; i < T; ++i) {
+        if (i >= run) out[i] = own[i];
+        const float* x = logits.data_ptr<float>() + (b * T + i) * V;
+        chosen.data_ptr<float>()[b * T + i] = (x[out[i]] - shift[i]) - logs[i];
+      }
+    }
+  });
+  return {tokens, accepted, chosen, top_ids, top_vals};
 }
 
 }  // namespace
@@ -2507,5 +2819,7 @@ TORCH_LIBRARY_IMPL(inkling, CPU, m) {
   m.impl("moe_experts_int8", &moe_experts_int8);
   m.impl("linear_int8", &linear_int8);
   m.impl("top_k_top_p", &top_k_top_p);
+  m.impl("sample_tokens", &sample_tokens);
+  m.impl("verify_tokens", &verify_tokens);
   m.impl("linear", &linear);
 }
