@@ -1596,6 +1596,19 @@ INKLING_INLINE vecf<W> uniform_lanes(uint32_t key, int64_t i) {
   return (__builtin_convertvector(reinterpret_cast<veci<W>&>(x), vecf<W>) + 0.5f) * (1.0f / 8388608.0f);
 }
 
+// Whether any lane of a comparison's result is set (halves OR-ed down to four lanes).
+template <int W>
+INKLING_INLINE bool any_lane(veci<W> m) {
+  if constexpr (W == 4) {
+    return ((m[0] | m[1]) | (m[2] | m[3])) != 0;
+  } else {
+    veci<W / 2> lo, hi;
+    std::memcpy(&lo, &m, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&m) + sizeof lo, sizeof hi);
+    return any_lane<W / 2>(lo | hi);
+  }
+}
+
 // A row's largest value, the first index that holds it (torch.argmax's choice), and the sum of e^(x - max)
 // (the log-softmax's denominator, expv's exp). Rows are finite logits.
 template <int W>
@@ -1609,7 +1622,8 @@ INKLING_INLINE void row_max_sum_body(const float* x, int64_t V, float* max_out, 
   float mx = -INFINITY;
   for (int l = 0; l < W; ++l) mx = top[l] > mx ? top[l] : mx;
   for (; i < V; ++i) mx = x[i] > mx ? x[i] : mx;
-  int64_t at = 0;
+  int64_t at = 0;  // the first vector holding the maximum, then its first lane there
+  while (at + W <= V && !any_lane<W>(loadv<W>(x + at) == (vecf<W>{} + mx))) at += W;
   while (at + 1 < V && x[at] != mx) ++at;
   vecf<W> acc = {};
   for (i = 0; i + W <= V; i += W) acc += expv<W>(loadv<W>(x + i) - mx);
@@ -1618,29 +1632,48 @@ INKLING_INLINE void row_max_sum_body(const float* x, int64_t V, float* max_out, 
   *max_out = mx, *at_out = at, *sum_out = total;
 }
 
+// The largest lane of a vector (halves folded down to four lanes).
+template <int W>
+INKLING_INLINE float max_lane(vecf<W> v) {
+  if constexpr (W == 4) {
+    const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
+    return a > b ? a : b;
+  } else {
+    vecf<W / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return max_lane<W / 2>(lo > hi ? lo : hi);
+  }
+}
+
 // The n (1 <= n <= V) largest of a row, largest first, equal values by lower index first: values to vals,
-// indices to ids. One pass; a vector of W is looked at lane by lane only where a lane beats the n-th kept.
+// indices to ids. The row's vectors of W are blocks: n blocks whose maxima are the n largest maxima hold n
+// values at least the least of those maxima, so a block below it holds none of the n largest, and only the
+// others are read value by value, in order (the tie rule).
 template <int W>
 INKLING_INLINE void top_n_body(const float* x, int64_t V, int64_t n, int64_t* ids, float* vals) {
+  const int64_t blocks = V / W;
+  thread_local std::vector<float> maxima, order;
+  maxima.resize(blocks);
+  for (int64_t k = 0; k < blocks; ++k) maxima[k] = max_lane<W>(loadv<W>(x + k * W));
+  float bar = -INFINITY;  // no value below it is among the n largest
+  if (blocks >= n) {
+    order.assign(maxima.begin(), maxima.end());
+    std::nth_element(order.begin(), order.begin() + (n - 1), order.end(), std::greater<float>());
+    bar = order[n - 1];
+  }
   int64_t kept = 0;
-  auto keep = [&](float v, int64_t id) {  // v beats the n-th kept, or fewer than n are kept
+  auto offer = [&](int64_t i) {
+    const float v = x[i];
+    if (kept == n && !(v > vals[n - 1])) return;
     int64_t p = kept < n ? kept++ : n - 1;
     for (; p > 0 && vals[p - 1] < v; --p) vals[p] = vals[p - 1], ids[p] = ids[p - 1];
-    vals[p] = v, ids[p] = id;
+    vals[p] = v, ids[p] = i;
   };
-  int64_t i = 0;
-  for (; i < n; ++i) keep(x[i], i);
-  float floor = vals[n - 1];
-  for (; i + W <= V; i += W) {
-    const veci<W> above = loadv<W>(x + i) > (vecf<W>{} + floor);
-    bool any = false;
-    for (int l = 0; l < W; ++l) any |= above[l] != 0;
-    if (!any) continue;
-    for (int l = 0; l < W; ++l)
-      if (x[i + l] > floor) keep(x[i + l], i + l), floor = vals[n - 1];
-  }
-  for (; i < V; ++i)
-    if (x[i] > floor) keep(x[i], i), floor = vals[n - 1];
+  for (int64_t k = 0; k < blocks; ++k)
+    if (maxima[k] >= bar)
+      for (int64_t i = k * W; i < (k + 1) * W; ++i) offer(i);
+  for (int64_t i = blocks * W; i < V; ++i) offer(i);
 }
 
 // The first index of the largest c_i - ln(-ln u_i), u_i the row's noise at id i (uniform_lanes), with
@@ -1648,19 +1681,26 @@ INKLING_INLINE void top_n_body(const float* x, int64_t V, int64_t n, int64_t* id
 // term is -inf.
 template <int W>
 INKLING_INLINE int64_t noisy_argmax_body(const float* c, int64_t V, uint32_t key, int64_t exclude) {
-  float best = -INFINITY, terms[W];
-  int64_t at = 0;
+  // Each lane keeps its first largest term and that term's index; the lanes' winner is the largest,
+  // the lowest index among equals: the first index of the largest over the row.
+  vecf<W> best = vecf<W>{} - INFINITY;
+  veci<W> at = {}, lane;
+  for (int l = 0; l < W; ++l) lane[l] = l;
   for (int64_t i = 0; i < V; i += W) {
-    const int64_t lanes = std::min<int64_t>(W, V - i);
-    vecf<W> cv = vecf<W>{} - INFINITY;
-    std::memcpy(&cv, c + i, lanes * sizeof(float));
-    const vecf<W> t = cv - logv<W>(vecf<W>{} - logv<W>(uniform_lanes<W>(key, i)));
-    std::memcpy(terms, &t, sizeof terms);
-    if (exclude >= i && exclude < i + lanes) terms[exclude - i] = -INFINITY;
-    for (int64_t l = 0; l < lanes; ++l)
-      if (terms[l] > best) best = terms[l], at = i + l;
+    vecf<W> cv = vecf<W>{} - INFINITY;  // (lanes past V: -inf, never above a lane's best)
+    std::memcpy(&cv, c + i, std::min<int64_t>(W, V - i) * sizeof(float));
+    const veci<W> index = lane + (veci<W>{} + static_cast<int32_t>(i));
+    vecf<W> t = cv - logv<W>(vecf<W>{} - logv<W>(uniform_lanes<W>(key, i)));
+    t = index == (veci<W>{} + static_cast<int32_t>(exclude)) ? vecf<W>{} - INFINITY : t;
+    const veci<W> above = t > best;
+    best = above ? t : best;
+    at = above ? index : at;
   }
-  return at;
+  int64_t first = at[0];
+  float top = best[0];
+  for (int l = 1; l < W; ++l)
+    if (best[l] > top || (best[l] == top && at[l] < first)) top = best[l], first = at[l];
+  return first;
 }
 
 // The sums of four vectors, each by sumv's tree (so bit for bit what sumv gives); for 16 lanes with
@@ -2613,6 +2653,11 @@ uint32_t mix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
+// uniform_noise's value at (row key, vocabulary id): uniform_lanes for one id.
+float uniform_at(uint32_t key, int64_t id) {
+  return (static_cast<float>(mix32(key ^ static_cast<uint32_t>(id) * 0x165667B1u) >> 9) + 0.5f) * (1.0f / 8388608.0f);
+}
+
 // One row's draw: its temperature and filters, and its noise key (uniform_noise's first mix, of the
 // request's 32-bit seed key and the index of the token being drawn).
 struct RowDraw {
@@ -2732,7 +2777,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_to
   auto top_vals = at::empty({B, T, n}, logits.options());
   const MatmulChoice& kernels = matmul_choice();
   at::parallel_for(0, B, task_grain(4 * T * V), [&](int64_t b0, int64_t b1) {
-    std::vector<float> work, shift(T), logs(T);  // each position's max and log e^ sum: logprob = (x - max) - log
+    std::vector<float> work;
+    std::vector<RowLogits> rows;  // the row's positions
+    rows.reserve(T);
     std::vector<int64_t> own(T);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t* in = inputs.data_ptr<int64_t>() + b * T;
@@ -2740,8 +2787,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_to
       int64_t* out = tokens.data_ptr<int64_t>() + b * T;
       int64_t run = 0;  // the leading run of accepted drafts
       bool running = true;
+      rows.clear();
       for (int64_t i = 0; i < T; ++i) {
-        const RowLogits row(logits.data_ptr<float>() + (b * T + i) * V, V, kernels);
+        const RowLogits& row = rows.emplace_back(logits.data_ptr<float>() + (b * T + i) * V, V, kernels);
         const RowDraw d = params.draw(b, i);
         const int64_t draft = std::clamp<int64_t>(in[(i + 1) % T], 0, V - 1);
         const bool has_draft = i < real;
@@ -2753,22 +2801,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_to
           float cmax, ctotal;
           int64_t ctop;
           kernels.row_max_sum(c, V, &cmax, &ctop, &ctotal);
-          const float u = (static_cast<float>(mix32(d.key ^ static_cast<uint32_t>(V) * 0x165667B1u) >> 9) + 0.5f) *
-                          (1.0f / 8388608.0f);
-          accept = u < std::exp(c[draft] - cmax) / ctotal;
+          accept = uniform_at(d.key, V) < std::exp(c[draft] - cmax) / ctotal;  // the accept draw: column V
           own[i] = kernels.noisy_argmax(c, V, d.key, has_draft ? draft : -1);
         }
         running = running && accept && has_draft;
         run += running;
         out[i] = draft;  // (past the run, the position's own token replaces it below)
         row.top(n, kernels, top_ids.data_ptr<int64_t>() + (b * T + i) * n, top_vals.data_ptr<float>() + (b * T + i) * n);
-        shift[i] = row.mx, logs[i] = row.log_total;
       }
       accepted.data_ptr<int64_t>()[b] = run;
       for (int64_t i = 0; i < T; ++i) {
         if (i >= run) out[i] = own[i];
-        const float* x = logits.data_ptr<float>() + (b * T + i) * V;
-        chosen.data_ptr<float>()[b * T + i] = (x[out[i]] - shift[i]) - logs[i];
+        chosen.data_ptr<float>()[b * T + i] = rows[i].logprob(out[i]);
       }
     }
   });
