@@ -66,6 +66,10 @@ struct ConvRange {
 // another, so the split (and the thread count) never changes a result.
 int64_t task_grain(int64_t per_item) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, per_item)); }
 
+// t in `dtype`: itself where it is already (Tensor::to would go through the dispatcher to say so, a few
+// hundred nanoseconds a call, and a decode step passes some hundred index and weight tensors).
+at::Tensor in_dtype(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
+
 void check_state(const at::Tensor& state, const at::Tensor& x) {
   TORCH_CHECK(state.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
               "inkling conv kernels take fp32 inputs and fp32 state");
@@ -87,8 +91,8 @@ at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tens
   ConvRange range(layer_id, stream);
   check_state(state, x_in);
   const auto x = x_in.contiguous();
-  const auto w = weight_in.to(at::kFloat).contiguous();
-  const auto idx = cache_indices.to(at::kInt).contiguous();
+  const auto w = in_dtype(weight_in, at::kFloat).contiguous();
+  const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
   const int64_t B = x.size(0), D = x.size(1), K = w.size(1);
   auto y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
@@ -131,10 +135,10 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
   ConvRange range(layer_id, stream);
   check_state(state, x_in);
   const auto x = x_in.contiguous();
-  const auto w = weight_in.to(at::kFloat).contiguous();
-  const auto qsl = query_start_loc.to(at::kLong).contiguous();
-  const auto his = has_initial_state.to(at::kBool).contiguous();
-  const auto idx = cache_indices.to(at::kInt).contiguous();
+  const auto w = in_dtype(weight_in, at::kFloat).contiguous();
+  const auto qsl = in_dtype(query_start_loc, at::kLong).contiguous();
+  const auto his = in_dtype(has_initial_state, at::kBool).contiguous();
+  const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
   const int64_t B = idx.size(0), D = x.size(1), K = w.size(1), H = K - 1;
   auto y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
@@ -185,8 +189,8 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   TORCH_CHECK(windows.scalar_type() == at::kFloat && windows.dim() == 4 && windows.stride(3) == 1,
               "sconv_verify: windows must be fp32 [rows, T, K-1, D] with unit channel stride");
   const auto x = x_in.contiguous();
-  const auto w = weight_in.to(at::kFloat).contiguous();
-  const auto idx = cache_indices.to(at::kInt).contiguous();
+  const auto w = in_dtype(weight_in, at::kFloat).contiguous();
+  const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
   const int64_t B = idx.size(0), T = windows.size(1), D = x.size(1), K = w.size(1), H = K - 1;
   TORCH_CHECK(x.size(0) == B * T && windows.size(0) >= B && windows.size(2) == H && windows.size(3) == D,
               "sconv_verify: x must hold T tokens per row and windows one [K-1, D] window per (row, token)");
@@ -241,8 +245,8 @@ void commit_conv_windows(at::TensorList states, at::TensorList windows, const at
                          const at::Tensor& steps_in) {
   TORCH_CHECK(states.size() == windows.size(), "commit_conv_windows: one window tensor per state tensor");
   TORCH_CHECK(slots_in.numel() == steps_in.numel(), "commit_conv_windows: one step per slot");
-  const auto slots = slots_in.to(at::kLong).contiguous();
-  const auto steps = steps_in.to(at::kLong).contiguous();
+  const auto slots = in_dtype(slots_in, at::kLong).contiguous();
+  const auto steps = in_dtype(steps_in, at::kLong).contiguous();
   const int64_t n = slots.numel();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* step = steps.data_ptr<int64_t>();
@@ -288,10 +292,10 @@ void sconv_checkpoint(const at::Tensor& x_in, const at::Tensor& state_in, at::Te
                       const at::Tensor& checkpoint_ends, const at::Tensor& checkpoint_indices) {
   const int64_t n = checkpoint_rows.size(0), K1 = state_in.size(1), T = x_in.size(0);
   if (n == 0 || K1 == 0) return;
-  const auto longs = [](const at::Tensor& t) { return t.to(at::kLong).contiguous(); };
+  const auto longs = [](const at::Tensor& t) { return in_dtype(t, at::kLong).contiguous(); };
   const auto rows_t = longs(checkpoint_rows), ends_t = longs(checkpoint_ends), into_t = longs(checkpoint_indices),
              qsl_t = longs(query_start_loc), slots_t = longs(cache_indices);
-  const auto initial_t = has_initial_state.to(at::kBool).contiguous();
+  const auto initial_t = in_dtype(has_initial_state, at::kBool).contiguous();
   const int64_t *rows = rows_t.data_ptr<int64_t>(), *ends = ends_t.data_ptr<int64_t>(),
                 *into = into_t.data_ptr<int64_t>(), *qsl = qsl_t.data_ptr<int64_t>(), *slots = slots_t.data_ptr<int64_t>();
   const bool* initial = initial_t.data_ptr<bool>();
@@ -314,8 +318,8 @@ void sconv_checkpoint(const at::Tensor& x_in, const at::Tensor& state_in, at::Te
   const auto dtype = saved.scalar_type();
   // Inputs in the checkpoints' dtype: converting one directly gives what the reference's promotion to
   // fp32 (exact for the window's bf16) and cast give.
-  const auto x = x_in.to(dtype).contiguous();
-  const auto state = (state_in.scalar_type() == dtype ? state_in : state_in.to(dtype)).contiguous();
+  const auto x = in_dtype(x_in, dtype).contiguous();
+  const auto state = in_dtype(state_in, dtype).contiguous();
   TORCH_CHECK(saved.stride(3) == 1, "sconv_checkpoint: checkpoints of contiguous rows of D expected");
   const int64_t esize = saved.element_size(), bytes = x.size(1) * esize;
   const auto* from_chunk = static_cast<const char*>(x.data_ptr());
@@ -353,7 +357,7 @@ void ring_checkpoint(const at::Tensor& k, const at::Tensor& v, const at::Tensor&
                      int64_t window) {
   const int64_t n = checkpoint_rows.size(0), R = ring_size, T = k.size(0);
   if (n == 0) return;
-  const auto longs = [](const at::Tensor& t) { return t.to(at::kLong).contiguous(); };
+  const auto longs = [](const at::Tensor& t) { return in_dtype(t, at::kLong).contiguous(); };
   const auto rows_t = longs(checkpoint_rows), bounds_t = longs(checkpoint_boundaries), into_t = longs(checkpoint_indices),
              qsl_t = longs(query_start_loc), pos_t = longs(positions), slots_t = longs(cache_indices);
   const int64_t *rows = rows_t.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>(),
@@ -380,9 +384,9 @@ void ring_checkpoint(const at::Tensor& k, const at::Tensor& v, const at::Tensor&
     const auto dtype = saved.scalar_type();
     // Rows in the saved tensor's dtype: converting a key to it directly gives what the reference's
     // promotion and cast give.
-    const auto chunk = (kv ? v : k).to(dtype).contiguous();
+    const auto chunk = in_dtype(kv ? v : k, dtype).contiguous();
     const auto& ring_in = kv ? v_ring : k_ring;
-    const auto ring = ring_in.scalar_type() == dtype ? ring_in : ring_in.to(dtype);
+    const auto ring = in_dtype(ring_in, dtype);
     const int64_t row = chunk.size(1) * chunk.size(2), bytes = row * chunk.element_size();
     for (const at::Tensor& t : std::initializer_list<at::Tensor>{ring, saved})
       TORCH_CHECK(t.size(-1) * t.size(-2) == row && t.stride(-1) == 1 && t.stride(-2) == t.size(-1),
@@ -414,7 +418,7 @@ void ring_checkpoint(const at::Tensor& k, const at::Tensor& v, const at::Tensor&
 // Copies rows k[t], v[t] to cache location locations[t]; negative locations are skipped.
 void kv_write(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k_in, const at::Tensor& v_in,
               const at::Tensor& locations) {
-  const auto loc = locations.to(at::kLong).contiguous();
+  const auto loc = in_dtype(locations, at::kLong).contiguous();
   TORCH_CHECK(loc.numel() == k_in.size(0) && v_in.size(0) == k_in.size(0),
               "kv_write: one location per key and value row expected");
   const int64_t* at_row = loc.data_ptr<int64_t>();
@@ -504,10 +508,28 @@ inline float rounded(float x) {
   else return static_cast<float>(static_cast<scalar_t>(x));
 }
 
+// A tensor of int32 or int64 values as int64s, plus `offset`, read where it lies: a step's slot ids and
+// lengths are int32, and a converted copy per call would be a tensor allocated and filled for each layer.
+std::vector<int64_t> indices_of(const at::Tensor& t_in, int64_t offset) {
+  const at::Tensor t = t_in.dim() == 1 ? t_in : t_in.reshape({-1});
+  const int64_t n = t.size(0), stride = t.stride(0);
+  std::vector<int64_t> out(n);
+  if (t.scalar_type() == at::kInt) {
+    const int32_t* p = t.data_ptr<int32_t>();
+    for (int64_t i = 0; i < n; ++i) out[i] = p[i * stride] + offset;
+  } else {
+    const auto wide = in_dtype(t, at::kLong);  // (int64 as it is; anything else converted)
+    const int64_t* p = wide.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) out[i] = p[i * wide.stride(0)] + offset;
+  }
+  return out;
+}
+
 template <typename scalar_t, typename Keys>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& table, const at::Tensor& tau, const Keys& keys, const at::Tensor& idx,
-                           const at::Tensor& positions, int64_t rel_extent, at::Tensor& out) {
+                           const at::Tensor& table, const at::Tensor& tau, const Keys& keys,
+                           const std::vector<int64_t>& slots, const std::vector<int64_t>& positions,
+                           int64_t rel_extent, at::Tensor& out) {
   constexpr bool fp32 = std::is_same_v<scalar_t, float>;
   const int64_t B = q.size(0), nh = q.size(1), hd = q.size(2), nkv = k_cache.size(1), E = table.size(2);
   const int64_t group = nh / nkv;
@@ -522,17 +544,17 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   // (a prefill chunk's rows together would hold chunk x history of them).
   std::vector<int64_t> first_key(B), start(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    first_key[b] = keys.first(positions.data_ptr<int64_t>()[b]);
-    start[b + 1] = start[b] + positions.data_ptr<int64_t>()[b] - first_key[b] + 1;
+    first_key[b] = keys.first(positions[b]);
+    start[b + 1] = start[b] + positions[b] - first_key[b] + 1;
   }
   auto row_locations = [&](int64_t b, std::vector<int64_t>& loc) {
-    const int64_t slot = idx.data_ptr<int32_t>()[b], pos = positions.data_ptr<int64_t>()[b];
+    const int64_t slot = slots[b], pos = positions[b];
     loc.clear();
     for (int64_t p = first_key[b]; p <= pos; ++p) loc.push_back(keys.location(slot, p));
   };
   // bf16: the scores of (row b, head h) into sh[0..n), each step rounded as attend() rounds it.
   auto head_scores = [&](int64_t b, int64_t h, const int64_t* loc, float* qs, float* sh) {
-    const int64_t pos = positions.data_ptr<int64_t>()[b], first = first_key[b], n = start[b + 1] - start[b];
+    const int64_t pos = positions[b], first = first_key[b], n = start[b + 1] - start[b];
     const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
     const scalar_t* qh = qp + (b * nh + h) * hd;
     for (int64_t d = 0; d < hd; ++d)
@@ -559,7 +581,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       int64_t listed = -1;  // the row `locations` holds
       for (int64_t bk = begin; bk < end; ++bk) {
         const int64_t b = bk / nkv, kvh = bk % nkv, n = start[b + 1] - start[b];
-        const int64_t pos = positions.data_ptr<int64_t>()[b], first = first_key[b];
+        const int64_t pos = positions[b], first = first_key[b];
         if (listed != b) row_locations(b, locations), listed = b;
         const int64_t* loc = locations.data();
         const float t = tau.defined() ? tau.data_ptr<float>()[b] : 1.0f;
@@ -619,33 +641,32 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
 template <typename Keys>
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& table_in, const std::optional<at::Tensor>& tau_in, const Keys& keys,
-                            const at::Tensor& cache_indices, const at::Tensor& positions_in, int64_t rel_extent,
-                            const char* name) {
+                            const std::vector<int64_t>& slots, const std::vector<int64_t>& positions,
+                            int64_t rel_extent, const char* name) {
   const auto dtype = q_in.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "the CPU ", name, " kernel takes fp32 or bf16");
   TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
               name, ": q and the caches must share a dtype");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "caches need unit head_dim stride");
-  const auto q = q_in.contiguous(), table = table_in.to(dtype).contiguous();
-  const auto idx = cache_indices.to(at::kInt).contiguous();
-  const auto positions = positions_in.to(at::kLong).contiguous();
+  const auto q = q_in.contiguous(), table = in_dtype(table_in, dtype).contiguous();
   const int64_t B = q.size(0);
   TORCH_CHECK(q.dim() == 3 && table.dim() == 3 && table.size(0) == B && table.size(1) == q.size(1),
               name, ": q [B, nh, hd] and table [B, nh, E] expected");
   TORCH_CHECK(rel_extent >= 0 && rel_extent <= table.size(2), name, ": rel_extent ", rel_extent,
               " exceeds the table's ", table.size(2), " distances");
-  TORCH_CHECK(idx.numel() == B && positions.numel() == B, name, ": one slot and one position per row expected");
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(positions.size()) == B, name,
+              ": one slot and one position per row expected");
   TORCH_CHECK(k_cache.size(1) >= 1 && q.size(1) % k_cache.size(1) == 0 && k_cache.size(2) == q.size(2),
               name, ": cache heads must divide the query heads, with the same head_dim");
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(positions.data_ptr<int64_t>()[b] >= 0, name, ": negative position");
+    TORCH_CHECK(positions[b] >= 0, name, ": negative position");
   at::Tensor tau;
   if (tau_in.has_value()) tau = tau_in->to(at::kFloat).contiguous();
   auto out = at::empty_like(q);
   if (dtype == at::kFloat)
-    decode_attention_impl<float>(q, k_cache, v_cache, table, tau, keys, idx, positions, rel_extent, out);
+    decode_attention_impl<float>(q, k_cache, v_cache, table, tau, keys, slots, positions, rel_extent, out);
   else
-    decode_attention_impl<at::BFloat16>(q, k_cache, v_cache, table, tau, keys, idx, positions, rel_extent, out);
+    decode_attention_impl<at::BFloat16>(q, k_cache, v_cache, table, tau, keys, slots, positions, rel_extent, out);
   return out;
 }
 
@@ -653,15 +674,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& table, const std::optional<at::Tensor>& tau,
                            const at::Tensor& block_table, const at::Tensor& cache_indices,
                            const at::Tensor& seq_lens, int64_t page_size, int64_t rel_extent) {
-  const auto bt = block_table.to(at::kInt).contiguous();
-  const auto lens = seq_lens.to(at::kLong).contiguous();
+  const auto bt = in_dtype(block_table, at::kInt).contiguous();
   const int64_t pages = bt.size(1);
-  for (int64_t b = 0; b < lens.numel(); ++b) {
-    const int64_t n = lens.data_ptr<int64_t>()[b];
-    TORCH_CHECK(n >= 1 && (n + page_size - 1) / page_size <= pages, "paged_attention: bad seq_len ", n);
-  }
+  const std::vector<int64_t> slots = indices_of(cache_indices, 0), positions = indices_of(seq_lens, -1);
+  for (const int64_t last : positions)
+    TORCH_CHECK(last >= 0 && last / page_size < pages, "paged_attention: bad seq_len ", last + 1);
   return decode_attention(q, k_cache, v_cache, table, tau, PagedKeys{bt.data_ptr<int32_t>(), pages, page_size},
-                          cache_indices, lens - 1, rel_extent, "paged_attention");
+                          slots, positions, rel_extent, "paged_attention");
 }
 
 // Decode on a sliding layer: each row's slot keeps its recent keys in a ring of ring_size >= window entries
@@ -672,13 +691,11 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k_ring, const a
   const int64_t ring = ring_size > 0 ? ring_size : window;
   TORCH_CHECK(window >= 1 && ring >= window && k_ring.size(0) % ring == 0, "ring_attention: rings of ", ring,
               " keys (window ", window, ") expected");
-  const auto slots = cache_indices.to(at::kLong).contiguous();
-  for (int64_t b = 0; b < slots.numel(); ++b) {
-    const int64_t slot = slots.data_ptr<int64_t>()[b];
+  const std::vector<int64_t> slots = indices_of(cache_indices, 0);
+  for (const int64_t slot : slots)
     TORCH_CHECK(slot >= 0 && (slot + 1) * ring <= k_ring.size(0), "ring_attention: bad slot ", slot);
-  }
-  return decode_attention(q, k_ring, v_ring, table, std::nullopt, RingKeys{window, ring}, cache_indices, positions,
-                          rel_extent, "ring_attention");
+  return decode_attention(q, k_ring, v_ring, table, std::nullopt, RingKeys{window, ring}, slots,
+                          indices_of(positions, 0), rel_extent, "ring_attention");
 }
 
 // fp32 packed prefill chunks in tiles (see kTileLanes): a tile is (sequence, kv head, a few consecutive
@@ -753,7 +770,8 @@ void extend_attention_tiled(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                             const std::optional<at::Tensor>& tau, const at::Tensor& query_start_loc,
                             const at::Tensor& key_start_loc, int64_t window, int64_t rel_extent) {
-  const auto qsl = query_start_loc.to(at::kLong).contiguous(), ksl = key_start_loc.to(at::kLong).contiguous();
+  const auto qsl = in_dtype(query_start_loc, at::kLong).contiguous();
+  const auto ksl = in_dtype(key_start_loc, at::kLong).contiguous();
   const int64_t B = qsl.numel() - 1, T = q.size(0);
   const int64_t* qs = qsl.data_ptr<int64_t>();
   const int64_t* ks = ksl.data_ptr<int64_t>();
@@ -777,7 +795,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
   if (tiles_pay && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
       group >= 1 && group <= kTileLanes && k.size(2) == q.size(2) && k.stride(2) == 1 && v.stride(2) == 1 &&
       table.size(0) == T && table.size(1) == q.size(1) && rel_extent >= 0 && rel_extent <= table.size(2)) {
-    const auto qc = q.contiguous(), tc = table.to(at::kFloat).contiguous();
+    const auto qc = q.contiguous(), tc = in_dtype(table, at::kFloat).contiguous();
     at::Tensor tc_tau;
     if (tau.has_value()) tc_tau = tau->to(at::kFloat).contiguous();
     auto out = at::empty_like(qc);
@@ -785,14 +803,11 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
     return out;
   }
   // Per query: each a decode row of its sequence, at its own key (the last it sees).
-  auto sequence = at::empty({T}, at::TensorOptions().dtype(at::kInt));
-  auto positions = at::empty({T}, at::TensorOptions().dtype(at::kLong));
-  int32_t* sp = sequence.data_ptr<int32_t>();
-  int64_t* pp = positions.data_ptr<int64_t>();
+  std::vector<int64_t> sequence(T), positions(T);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < qs[b + 1] - qs[b]; ++i) {
-      sp[qs[b] + i] = static_cast<int32_t>(b);
-      pp[qs[b] + i] = ks[b + 1] - ks[b] - (qs[b + 1] - qs[b]) + i;
+      sequence[qs[b] + i] = b;
+      positions[qs[b] + i] = ks[b + 1] - ks[b] - (qs[b + 1] - qs[b]) + i;
     }
   return decode_attention(q, k, v, table, tau, PackedKeys{ks, window}, sequence, positions, rel_extent,
                           "extend_attention");
@@ -810,8 +825,9 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
                                    const at::Tensor& cache_indices, const at::Tensor& kv_locations,
                                    const at::Tensor& block_table, int64_t page_size, int64_t ring_size, int64_t window,
                                    int64_t rel_extent) {
-  const auto qsl = query_start_loc.to(at::kLong).contiguous(), pos_t = positions.to(at::kLong).contiguous(),
-             slots_t = cache_indices.to(at::kLong).contiguous();
+  const auto qsl = in_dtype(query_start_loc, at::kLong).contiguous();
+  const auto pos_t = in_dtype(positions, at::kLong).contiguous();
+  const auto slots_t = in_dtype(cache_indices, at::kLong).contiguous();
   const int64_t rows = qsl.numel() - 1, T = k.size(0);
   const int64_t *qs = qsl.data_ptr<int64_t>(), *pos = pos_t.data_ptr<int64_t>(), *slots = slots_t.data_ptr<int64_t>();
   TORCH_CHECK(rows >= 0 && (rows == 0 || (qs[0] == 0 && qs[rows] == T)),
@@ -819,7 +835,7 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(v.sizes() == k.sizes(), "cached_extend_attention: k and v of one shape expected");
   const int64_t cache_rows = std::min(k_cache.size(0), v_cache.size(0));
   const bool sliding = window > 0;
-  const auto bt = sliding ? block_table : block_table.to(at::kLong).contiguous();
+  const auto bt = sliding ? block_table : in_dtype(block_table, at::kLong).contiguous();
   TORCH_CHECK(sliding ? ring_size > 0 : (page_size > 0 && bt.dim() == 2),
               "cached_extend_attention: a ring size (sliding) or a page size and block table (global) expected");
   std::vector<int64_t> history(std::max<int64_t>(rows, 0), 0);
@@ -2389,7 +2405,7 @@ void int8_gemm(const float* x, int64_t n, int64_t H, const at::Tensor& q, const 
 at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids, const at::Tensor& weights,
                             const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor* gate_up_scale,
                             const at::Tensor* down_scale) {
-  const auto ids = expert_ids.to(at::kLong).contiguous();
+  const auto ids = in_dtype(expert_ids, at::kLong).contiguous();
   const auto x = x_in.contiguous();
   const int64_t T = ids.size(0), k = ids.size(1), E = gate_up.size(0), H = x.size(1), I = down.size(2);
   const int64_t* ip = ids.data_ptr<int64_t>();
@@ -2406,7 +2422,7 @@ at::Tensor moe_experts_impl(const at::Tensor& x_in, const at::Tensor& expert_ids
     rows[ip[i]].push_back(i / k);
     slots[ip[i]].push_back(i);
   }
-  const auto flat_w = weights.reshape({-1}).to(at::kFloat).contiguous();
+  const auto flat_w = in_dtype(weights.reshape({-1}), at::kFloat).contiguous();
   auto out = at::zeros_like(x);
   const bool quantized = gate_up_scale != nullptr;
   const auto bank_type = quantized ? at::kChar : at::kFloat;
@@ -2622,8 +2638,8 @@ at::Tensor top_k_top_p(const at::Tensor& scaled_in, const at::Tensor& top_k, con
   TORCH_CHECK(scaled_in.scalar_type() == at::kFloat, "top_k_top_p takes fp32 scores");
   const auto scaled = scaled_in.contiguous();
   auto out = scaled.clone();
-  const auto tk = top_k.to(at::kLong).contiguous();
-  const auto tp = top_p.to(at::kFloat).contiguous();
+  const auto tk = in_dtype(top_k, at::kLong).contiguous();
+  const auto tp = in_dtype(top_p, at::kFloat).contiguous();
   const int64_t B = scaled.size(0), V = scaled.size(1);
   const float* sp = scaled.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -2671,8 +2687,9 @@ struct RowParams {
   at::Tensor temperature, top_k, top_p, seed, counter;
   RowParams(const at::Tensor& t, const at::Tensor& k, const at::Tensor& p, const at::Tensor& s, const at::Tensor& c,
             int64_t rows, const char* op)
-      : temperature(t.to(at::kFloat).contiguous()), top_k(k.to(at::kLong).contiguous()),
-        top_p(p.to(at::kFloat).contiguous()), seed(s.to(at::kLong).contiguous()), counter(c.to(at::kLong).contiguous()) {
+      : temperature(in_dtype(t, at::kFloat).contiguous()), top_k(in_dtype(k, at::kLong).contiguous()),
+        top_p(in_dtype(p, at::kFloat).contiguous()), seed(in_dtype(s, at::kLong).contiguous()),
+        counter(in_dtype(c, at::kLong).contiguous()) {
     for (const auto* x : {&temperature, &top_k, &top_p, &seed, &counter})
       TORCH_CHECK(x->dim() == 1 && x->size(0) == rows, op, ": one sampling parameter per row expected");
   }
@@ -2765,7 +2782,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_to
     const at::Tensor& counter, int64_t top_n) {
   check_logits(logits_in, 3, top_n, "verify_tokens");
   const auto logits = logits_in.contiguous();
-  const auto inputs = inputs_in.to(at::kLong).contiguous(), drafted = drafted_in.to(at::kLong).contiguous();
+  const auto inputs = in_dtype(inputs_in, at::kLong).contiguous();
+  const auto drafted = in_dtype(drafted_in, at::kLong).contiguous();
   const int64_t B = logits.size(0), T = logits.size(1), V = logits.size(2), n = std::min(top_n, V);
   TORCH_CHECK(inputs.dim() == 2 && inputs.size(0) == B && inputs.size(1) == T && drafted.numel() == B,
               "verify_tokens: inputs [B, T] and drafted [B] expected for logits ", logits.sizes());
