@@ -16,7 +16,9 @@ same tokens whatever else is in the batch, and nothing depends on a `torch.Gener
   the torch math gives every row the noise of a draw (a hash and two logarithms per vocabulary entry), a
   softmax and ATen's top-k; the C++ kernel reads a greedy row twice (maximum and e^ sum, then its top n)
   and computes the filter and the noise only for rows that sample (`tools/bench_sampler.py` times both).
-  Their CUDA kernels are the references (plain torch, no host sync).
+  Their CUDA kernels are the references (plain torch, no host sync). Where torch leaves an order open the
+  kernel fixes one: equal values rank lower index first, and NaN ranks above every number (as torch's
+  argmax and top-k take it). Seeds are the 32-bit keys `seed_key` mixes, counters non-negative int64s.
 """
 
 from __future__ import annotations

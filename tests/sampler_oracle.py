@@ -27,18 +27,25 @@ def uniform(seed: int, counter: int, i: int) -> float:
 
 
 def log_softmax(x: list[float]) -> list[float]:
+    if any(math.isnan(v) for v in x):  # as torch: a NaN anywhere makes every logprob NaN
+        return [math.nan] * len(x)
     m = max(x)
     log_total = math.log(sum(math.exp(v - m) for v in x))
     return [(v - m) - log_total for v in x]
 
 
+def rank(v: float) -> tuple:
+    """Larger ranks first: torch's order, NaN above every number."""
+    return (1, 0.0) if math.isnan(v) else (0, v)
+
+
 def argmax(x: list[float]) -> int:
-    return max(range(len(x)), key=lambda i: (x[i], -i))  # the first of equal maxima
+    return max(range(len(x)), key=lambda i: (rank(x[i]), -i))  # the first of equal maxima
 
 
-def top(logprobs: list[float], n: int) -> list[int]:
-    """The n most likely ids, equal values by lower id first."""
-    return sorted(range(len(logprobs)), key=lambda i: (-logprobs[i], i))[:n]
+def top(x: list[float], n: int) -> list[int]:
+    """The n most likely ids (by their logits), equal values by lower id first."""
+    return sorted(range(len(x)), key=lambda i: (tuple(-r for r in rank(x[i])), i))[:n]
 
 
 def candidates(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> list[float]:
@@ -73,14 +80,15 @@ def sample_rows(logits, temperature, top_k, top_p, seed, counter, top_n):
     """(tokens, their logprobs, top ids, top logprobs) as lists, row by row."""
     tokens, chosen, ids, values = [], [], [], []
     for b in range(logits.shape[0]):
-        lp = log_softmax(logits[b].tolist())
+        x = logits[b].tolist()
+        lp = log_softmax(x)
         t = float(temperature[b])
         if t > 0:
             c = candidates(logits[b], t, int(top_k[b]), float(top_p[b]))
             token = gumbel_draw(c, int(seed[b]), int(counter[b]))
         else:
-            token = argmax(logits[b].tolist())
-        best = top(lp, top_n)
+            token = argmax(x)
+        best = top(x, top_n)
         tokens.append(token), chosen.append(lp[token]), ids.append(best), values.append([lp[i] for i in best])
     return tokens, chosen, ids, values
 
@@ -113,7 +121,7 @@ def verify_rows(logits, inputs, drafted, temperature, top_k, top_p, seed, counte
             row.append((draft, own))
         tokens = [draft if i < run else own for i, (draft, own) in enumerate(row)]
         lps = [log_softmax(logits[b, i].tolist()) for i in range(T)]
-        best = [top(lp, top_n) for lp in lps]
+        best = [top(logits[b, i].tolist(), top_n) for i in range(T)]
         out[0].append(tokens), out[1].append(run), out[2].append([lp[tok] for lp, tok in zip(lps, tokens)])
         out[3].append(best), out[4].append([[lp[i] for i in ids] for lp, ids in zip(lps, best)])
     return out
@@ -132,7 +140,8 @@ def row_params(B: int, g: torch.Generator):
 def mismatches(seed: int = 0) -> list[str]:
     """Every case where an op's tokens, accepted counts or top ids differ from the loops, or a logprob by
     more than 1e-5; [] when none do. Vocabularies of 1, 7, 40 and 300 (vectors and tails of every build);
-    logits with repeated values (ties); top_n 0, 3 and past the vocabulary."""
+    logits with repeated values (ties) and a greedy row with NaNs (torch ranks NaN above every number);
+    top_n 0, 3 and past the vocabulary."""
     g = torch.Generator().manual_seed(seed)
     problems = []
 
@@ -140,7 +149,7 @@ def mismatches(seed: int = 0) -> list[str]:
         for i, (a, b) in enumerate(zip(got, want)):
             a = a.tolist()
             same = a == b if exact else torch.allclose(torch.tensor(a, dtype=torch.float64),
-                                                       torch.tensor(b, dtype=torch.float64), atol=1e-5)
+                                                       torch.tensor(b, dtype=torch.float64), atol=1e-5, equal_nan=True)
             if not same:
                 problems.append(f"{name} output {i}: {a} != {b}")
 
@@ -148,10 +157,13 @@ def mismatches(seed: int = 0) -> list[str]:
         for B in (1, 5):
             for top_n in (0, 3, V + 2):
                 logits = torch.randn(B, V, generator=g) * 3
+                params = row_params(B, g)
                 if V > 4:
                     logits[:, 3] = logits[:, 1]  # a tie, found by the argmax or the top ids when it is the max
                     logits[0, 2] = logits[0].max()
-                params = row_params(B, g)
+                if V > 20 and B > 1:  # NaNs in a greedy row, one of them past the first vector
+                    logits[-1, [5, V - 3]] = math.nan
+                    params[0][-1] = 0.0
                 got = torch.ops.inkling.sample_tokens(logits, *params, top_n)
                 want = sample_rows(logits, *params, min(top_n, V))
                 compare(f"sample V={V} B={B} n={top_n}", (got[0], got[2]), (want[0], want[2]), True)
@@ -163,6 +175,9 @@ def mismatches(seed: int = 0) -> list[str]:
                     inputs[:, 1:] = torch.where(follow[:, 1:], logits.argmax(-1)[:, :-1], inputs[:, 1:])
                     drafted = torch.randint(0, T, (B,), generator=g)
                     params = row_params(B, g)
+                    if V > 20 and B > 1:
+                        logits[-1, -1, [V - 2, 7]] = math.nan
+                        params[0][-1] = 0.0
                     got = torch.ops.inkling.verify_tokens(logits, inputs, drafted, *params, top_n)
                     want = verify_rows(logits, inputs, drafted, *params, min(top_n, V))
                     name = f"verify V={V} B={B} T={T} n={top_n}"

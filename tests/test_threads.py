@@ -84,6 +84,13 @@ def _cases():
         torch.zeros(6, 3, 3, 2000)), (4,)
     yield "top_k_top_p", "top_k_top_p", (
         r(6, 5000) * 3, torch.tensor([0, 40, 0, 1, 5000, 7]), torch.tensor([1.0, 1.0, 0.7, 1.0, 0.2, 0.9])), ()
+    # the samplers: greedy and sampled rows (top-k, top-p), a row at a task
+    sampling = (torch.tensor([0.0, 0.8, 0.0, 1.3, 0.5, 0.0]), torch.tensor([0, 40, 0, 0, 7, 0]),
+                torch.tensor([1.0, 1.0, 1.0, 0.7, 1.0, 1.0]), torch.arange(6) * 977, torch.arange(6) + 100)
+    yield "sample_tokens", "sample_tokens", (r(6, 5000) * 3, *sampling, 20), ()
+    logits = r(6, 3, 5000) * 3
+    inputs = torch.cat([torch.zeros(6, 1, dtype=torch.long), logits.argmax(-1)[:, :-1]], dim=1)
+    yield "verify_tokens", "verify_tokens", (logits, inputs, torch.tensor([2, 2, 1, 0, 2, 2]), *sampling, 20), ()
 
 
 CASES = list(_cases())
@@ -92,8 +99,13 @@ CASES = list(_cases())
 def _run(op: str, args: tuple, mutated: tuple, threads: int):
     torch.set_num_threads(threads)
     args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-    out = getattr(torch.ops.inkling, op).default(*args)
-    return [out] * (out is not None) + [args[i] for i in mutated]  # an op that only writes returns None
+    return _outputs(getattr(torch.ops.inkling, op).default(*args), args, mutated)
+
+
+def _outputs(out, args: tuple, mutated: tuple) -> list:
+    """An op's outputs (one, several, or None for an op that only writes), then the arguments it wrote."""
+    outs = list(out) if isinstance(out, tuple) else [out] * (out is not None)
+    return outs + [args[i] for i in mutated]
 
 
 @pytest.mark.parametrize("name, op, args, mutated", CASES, ids=[c[0] for c in CASES])
@@ -106,8 +118,7 @@ def test_every_kernel_gives_the_same_bits_at_any_thread_count(name, op, args, mu
     # ... and the result is the reference's (an independent plain-torch definition)
     torch.set_num_threads(1)
     ref_args = tuple(a.clone() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-    out = KERNELS[op]["reference"](*ref_args)
-    want = [out] * (out is not None) + [ref_args[i] for i in mutated]
+    want = _outputs(KERNELS[op]["reference"](*ref_args), ref_args, mutated)
     tol = 2e-2 if base[0].dtype == torch.bfloat16 else 1e-4
     for got, ref in zip(base, want):
         assert torch.equal(got.isinf(), ref.isinf())

@@ -32,7 +32,7 @@ TRACED = {
     "inkling_compiled/attention.py": {"attend", "attend_ring"},
     "inkling_compiled/sampling.py": {"sample_with_logprobs", "verify_with_logprobs"},
     "custom_ops/sampling.py": {"sample", "uniform_noise", "unit_interval", "_mix32", "verify_drafts", "_per_token",
-                               "top_logprobs"},
+                               "top_logprobs", "sample_tokens_reference", "verify_tokens_reference"},
     "inkling_compiled/config.py": {"InklingConfig.log_scale", "LayerGeometry"},
     "inkling_compiled/cache/pool.py": {"StatePool.layer_index", "StatePool.kv_index", "StatePool._wait_for",
                                        "StatePool.layer_state", "StatePool.draft_windows", "each_layer"},

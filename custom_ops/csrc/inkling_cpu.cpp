@@ -1625,19 +1625,31 @@ INKLING_INLINE bool any_lane(veci<W> m) {
   }
 }
 
+// The order the sampler ranks values in, torch's: NaN above every number (and equal to NaN).
+INKLING_INLINE bool ranks_above(float a, float b) { return a > b || (a != a && b == b); }
+
 // A row's largest value, the first index that holds it (torch.argmax's choice), and the sum of e^(x - max)
 // (the log-softmax's denominator, expv's exp). Rows are finite logits.
 template <int W>
 INKLING_INLINE void row_max_sum_body(const float* x, int64_t V, float* max_out, int64_t* at_out, float* sum_out) {
   vecf<W> top = vecf<W>{} - INFINITY;
+  veci<W> nan = {};
   int64_t i = 0;
   for (; i + W <= V; i += W) {
     const vecf<W> v = loadv<W>(x + i);
     top = v > top ? v : top;
+    nan |= v != v;
   }
+  bool has_nan = any_lane<W>(nan);
   float mx = -INFINITY;
   for (int l = 0; l < W; ++l) mx = top[l] > mx ? top[l] : mx;
-  for (; i < V; ++i) mx = x[i] > mx ? x[i] : mx;
+  for (; i < V; ++i) mx = x[i] > mx ? x[i] : mx, has_nan |= x[i] != x[i];
+  if (has_nan) {  // as torch: the first NaN is the argmax, and every logprob is NaN
+    int64_t at = 0;
+    while (x[at] == x[at]) ++at;
+    *max_out = NAN, *at_out = at, *sum_out = NAN;
+    return;
+  }
   int64_t at = 0;  // the first vector holding the maximum, then its first lane there
   while (at + W <= V && !any_lane<W>(loadv<W>(x + at) == (vecf<W>{} + mx))) at += W;
   while (at + 1 < V && x[at] != mx) ++at;
@@ -1648,22 +1660,22 @@ INKLING_INLINE void row_max_sum_body(const float* x, int64_t V, float* max_out, 
   *max_out = mx, *at_out = at, *sum_out = total;
 }
 
-// The largest lane of a vector (halves folded down to four lanes).
+// The largest lane of a vector, as ranks_above ranks them (halves folded down to four lanes).
 template <int W>
 INKLING_INLINE float max_lane(vecf<W> v) {
   if constexpr (W == 4) {
-    const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
-    return a > b ? a : b;
+    const float a = ranks_above(v[0], v[1]) ? v[0] : v[1], b = ranks_above(v[2], v[3]) ? v[2] : v[3];
+    return ranks_above(a, b) ? a : b;
   } else {
     vecf<W / 2> lo, hi;
     std::memcpy(&lo, &v, sizeof lo);
     std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-    return max_lane<W / 2>(lo > hi ? lo : hi);
+    return max_lane<W / 2>((lo > hi) | ((lo != lo) & (hi == hi)) ? lo : hi);  // ranks_above, lane by lane
   }
 }
 
 // The n (1 <= n <= V) largest of a row, largest first, equal values by lower index first: values to vals,
-// indices to ids. The row's vectors of W are blocks: n blocks whose maxima are the n largest maxima hold n
+// indices to ids, ranked as ranks_above ranks them. The row's vectors of W are blocks: n blocks whose maxima are the n largest maxima hold n
 // values at least the least of those maxima, so a block below it holds none of the n largest, and only the
 // others are read value by value, in order (the tie rule).
 template <int W>
@@ -1675,19 +1687,19 @@ INKLING_INLINE void top_n_body(const float* x, int64_t V, int64_t n, int64_t* id
   float bar = -INFINITY;  // no value below it is among the n largest
   if (blocks >= n) {
     order.assign(maxima.begin(), maxima.end());
-    std::nth_element(order.begin(), order.begin() + (n - 1), order.end(), std::greater<float>());
+    std::nth_element(order.begin(), order.begin() + (n - 1), order.end(), ranks_above);
     bar = order[n - 1];
   }
   int64_t kept = 0;
   auto offer = [&](int64_t i) {
     const float v = x[i];
-    if (kept == n && !(v > vals[n - 1])) return;
+    if (kept == n && !ranks_above(v, vals[n - 1])) return;
     int64_t p = kept < n ? kept++ : n - 1;
-    for (; p > 0 && vals[p - 1] < v; --p) vals[p] = vals[p - 1], ids[p] = ids[p - 1];
+    for (; p > 0 && ranks_above(v, vals[p - 1]); --p) vals[p] = vals[p - 1], ids[p] = ids[p - 1];
     vals[p] = v, ids[p] = i;
   };
   for (int64_t k = 0; k < blocks; ++k)
-    if (maxima[k] >= bar)
+    if (!ranks_above(bar, maxima[k]))
       for (int64_t i = k * W; i < (k + 1) * W; ++i) offer(i);
   for (int64_t i = blocks * W; i < V; ++i) offer(i);
 }
@@ -1708,14 +1720,14 @@ INKLING_INLINE int64_t noisy_argmax_body(const float* c, int64_t V, uint32_t key
     const veci<W> index = lane + (veci<W>{} + static_cast<int32_t>(i));
     vecf<W> t = cv - logv<W>(vecf<W>{} - logv<W>(uniform_lanes<W>(key, i)));
     t = index == (veci<W>{} + static_cast<int32_t>(exclude)) ? vecf<W>{} - INFINITY : t;
-    const veci<W> above = t > best;
+    const veci<W> above = (t > best) | ((t != t) & (best == best));  // ranks_above, lane by lane
     best = above ? t : best;
     at = above ? index : at;
   }
   int64_t first = at[0];
   float top = best[0];
   for (int l = 1; l < W; ++l)
-    if (best[l] > top || (best[l] == top && at[l] < first)) top = best[l], first = at[l];
+    if (ranks_above(best[l], top) || (!ranks_above(top, best[l]) && at[l] < first)) top = best[l], first = at[l];
   return first;
 }
 
@@ -2621,7 +2633,7 @@ float filter_threshold(const float* row, int64_t V, int64_t want_k, float p, flo
   const int64_t k = want_k > 0 && want_k < V ? want_k : V;
   if (k == V && p >= 1.0f) return -INFINITY;
   std::copy(row, row + V, ord);
-  std::partial_sort(ord, ord + k, ord + V, std::greater<float>());
+  std::partial_sort(ord, ord + k, ord + V, ranks_above);  // (a NaN first, where a NaN row filters nothing)
   float total = 0.0f;
   for (int64_t j = 0; j < k; ++j) total += std::exp(ord[j] - ord[0]);
   float threshold = ord[0], mass_before = 0.0f;
