@@ -103,7 +103,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return tokens, logprobs
 
 
-
 def _per_token(row_values: torch.Tensor, tokens_per_row: int) -> torch.Tensor:
     return row_values[:, None].expand(-1, tokens_per_row).reshape(-1)
 

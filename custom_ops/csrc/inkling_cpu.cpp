@@ -1627,9 +1627,11 @@ INKLING_INLINE bool any_lane(veci<W> m) {
 
 // The order the sampler ranks values in, torch's: NaN above every number (and equal to NaN).
 INKLING_INLINE bool ranks_above(float a, float b) { return a > b || (a != a && b == b); }
+template <int W>  // lane by lane
+INKLING_INLINE veci<W> ranks_above_lanes(vecf<W> a, vecf<W> b) { return (a > b) | ((a != a) & (b == b)); }
 
 // A row's largest value, the first index that holds it (torch.argmax's choice), and the sum of e^(x - max)
-// (the log-softmax's denominator, expv's exp). Rows are finite logits.
+// (the log-softmax's denominator, expv's exp); with a NaN anywhere, torch's answer (see below).
 template <int W>
 INKLING_INLINE void row_max_sum_body(const float* x, int64_t V, float* max_out, int64_t* at_out, float* sum_out) {
   vecf<W> top = vecf<W>{} - INFINITY;
@@ -1670,14 +1672,14 @@ INKLING_INLINE float max_lane(vecf<W> v) {
     vecf<W / 2> lo, hi;
     std::memcpy(&lo, &v, sizeof lo);
     std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-    return max_lane<W / 2>((lo > hi) | ((lo != lo) & (hi == hi)) ? lo : hi);  // ranks_above, lane by lane
+    return max_lane<W / 2>(ranks_above_lanes<W / 2>(lo, hi) ? lo : hi);
   }
 }
 
-// The n (1 <= n <= V) largest of a row, largest first, equal values by lower index first: values to vals,
-// indices to ids, ranked as ranks_above ranks them. The row's vectors of W are blocks: n blocks whose maxima are the n largest maxima hold n
-// values at least the least of those maxima, so a block below it holds none of the n largest, and only the
-// others are read value by value, in order (the tie rule).
+// The n (1 <= n <= V) largest of a row as ranks_above ranks them, largest first, equal values by lower
+// index first: values to vals, indices to ids. The row's vectors of W are blocks: n blocks whose maxima are
+// the n largest maxima hold n values at least the least of those maxima, so a block below it holds none of
+// the n largest, and only the others are read value by value, in order (the tie rule).
 template <int W>
 INKLING_INLINE void top_n_body(const float* x, int64_t V, int64_t n, int64_t* ids, float* vals) {
   const int64_t blocks = V / W;
@@ -1720,7 +1722,7 @@ INKLING_INLINE int64_t noisy_argmax_body(const float* c, int64_t V, uint32_t key
     const veci<W> index = lane + (veci<W>{} + static_cast<int32_t>(i));
     vecf<W> t = cv - logv<W>(vecf<W>{} - logv<W>(uniform_lanes<W>(key, i)));
     t = index == (veci<W>{} + static_cast<int32_t>(exclude)) ? vecf<W>{} - INFINITY : t;
-    const veci<W> above = (t > best) | ((t != t) & (best == best));  // ranks_above, lane by lane
+    const veci<W> above = ranks_above_lanes<W>(t, best);
     best = above ? t : best;
     at = above ? index : at;
   }
