@@ -195,6 +195,59 @@ def test_every_step_that_brought_tokens_sends_an_event_with_its_logprobs(server,
     assert "".join(e.choices[0].text for e in events) == want.text and chunks[-1].usage.completion_tokens == 12
 
 
+class BodyWrites:
+    """ASGI middleware: how many body messages (socket writes) each response sent, and the event loop."""
+
+    def __init__(self, app):
+        self.app, self.writes, self.loop = app, [], None
+
+    async def __call__(self, scope, receive, send):
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        count = [0]
+
+        async def counted(message):
+            count[0] += message["type"] == "http.response.body"
+            await send(message)
+
+        await self.app(scope, receive, counted)
+        self.writes.append(count[0])
+
+
+def test_events_that_arrived_together_leave_in_one_write_each_still_its_own_event(checkpoint):
+    """A handler that wakes behind the engine (its event loop was busy for a second while the request's
+    steps ran) sends what piled up in one write, not one per step, with its usage and [DONE]; the client
+    still reads one event per step, each with its usage so far."""
+    from inkling_compiled.server.serve import ApiServer
+
+    engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, progress=False, max_batch_size=8)
+    server = ApiServer(engine, port=0, model_name="tiny")
+    counter = server.uvicorn.config.app = BodyWrites(server.uvicorn.config.app)
+    server.start()
+    try:
+        sock = open_stream(server.port, {"prompt": [5, 9, 11], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        data = b""
+        while b"data: " not in data:  # the first event: the handler now waits for the next
+            data += sock.recv(65536)
+        counter.loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop is busy while the other 11 steps run
+        while b"data: [DONE]" not in data:
+            data += sock.recv(65536)
+        sock.close()
+        wait_for(lambda: counter.writes)
+        events = [json.loads(line[6:]) for line in data.decode("utf-8", "replace").splitlines()
+                  if line.startswith("data: {")]
+        tokens = [e for e in events if e["choices"]]
+        assert [e["usage"]["completion_tokens"] for e in tokens] == list(range(1, 13))
+        assert events[-1]["usage"]["completion_tokens"] == 12 and not events[-1]["choices"]
+        # the first event, everything after the pause, and the end of the chunked body
+        assert counter.writes == [3]
+    finally:
+        server.stop()
+        engine.close()
+
+
 def test_bench_serve_counts_tokens_as_usage_does(server):
     """The bench client's token arrivals are what the server's usage says, one per generated token."""
     import http.client

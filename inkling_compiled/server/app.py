@@ -132,22 +132,32 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
         return JSONResponse(answer.whole())
 
     async def stream_events(sub, answer: "Answer"):
-        finished = False
+        """The stream's events, one per output that brought tokens. Whatever has arrived when the handler
+        wakes goes out as one block (its events still apart): behind by a step or more, a stream pays one
+        socket write, not one per step, and its last event, usage and [DONE] go out together."""
+        finished = ended = False
         try:
-            while not finished:
-                item = await sub.queue.get()
-                if isinstance(item, BaseException):
-                    yield sse(error_body(str(item), "server_error"))
-                    break
-                if item.finish_reason == "error":
-                    yield sse(error_body(f"the engine failed this request: {item.error}", "server_error"))
-                    break
-                for chunk in answer.update(item):
-                    yield sse(chunk)
-                finished = answer.done
-            if finished and answer.job.include_usage:
-                yield sse(answer.usage_chunk())
-            yield b"data: [DONE]\n\n"
+            while not (finished or ended):
+                events = []
+                for item in await arrived(sub.queue):
+                    if isinstance(item, BaseException):
+                        events.append(sse(error_body(str(item), "server_error")))
+                        ended = True
+                        break
+                    if item.finish_reason == "error":
+                        events.append(sse(error_body(f"the engine failed this request: {item.error}", "server_error")))
+                        ended = True
+                        break
+                    events += [sse(chunk) for chunk in answer.update(item)]
+                    finished = answer.done
+                    if finished:
+                        break
+                if finished and answer.job.include_usage:
+                    events.append(sse(answer.usage_chunk()))
+                if finished or ended:
+                    events.append(b"data: [DONE]\n\n")
+                if events:
+                    yield b"".join(events)
         finally:
             if not finished or answer.stopped_early:  # the client left (or a stop string ended it): free it now
                 loop.abort(sub, reason="stop" if answer.stopped_early else "abort")
@@ -225,6 +235,14 @@ async def next_output(sub, watch: ClientWatch):
             return await asyncio.wait_for(sub.queue.get(), timeout=watch.every)
         except asyncio.TimeoutError:
             continue
+
+
+async def arrived(queue: asyncio.Queue) -> list:
+    """The queue's next item and every one already behind it."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 _json = msgspec.json.Encoder()
