@@ -120,10 +120,10 @@ class PackagedForward:
     run cold) and, where the recorded call shows it may, past AOTAutograd's wrapper too (`GraphCall`;
     `FrameCall` calls the wrapper). A different object, or none, takes the guarded path. The object is a promise:
     while it is the same, so is everything the guards check (the engine's keys are the slices a kind of
-    step keeps per batch size, and what its guards watch, the metadata's kind and draft count, is fixed
-    per kind). A frame found unfit to bind is run the usual way from then on, without a second look."""
+    step keeps per batch size, or an extend step per shape, and what its guards watch, the metadata's kind
+    and draft count, is fixed per kind). A frame found unfit to bind is run the usual way from then on, without a second look."""
 
-    BOUND_LIMIT = 64  # bound calls kept (one per batch bucket and step kind is the use)
+    BOUND_LIMIT = 64  # bound calls kept (one per batch bucket and step kind, one per extend shape kept)
 
     def __init__(self, model, functions: list):
         self.model, self.functions = model, functions

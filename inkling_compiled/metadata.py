@@ -91,6 +91,9 @@ class RowSampling(msgspec.Struct, frozen=True):
 
 
 GREEDY_PAD = RowSampling(0.0, 0, 1.0, 0, 0)  # what padded rows sample with
+# Extend step shapes whose slices are kept (a compiled extend step binds a direct call to each; within
+# `graphs.package.PackedForward.BOUND_LIMIT`).
+EXTEND_SHAPES_KEPT = 32
 
 
 def _mark_unbacked(view: torch.Tensor, shape_id: str) -> None:
@@ -245,6 +248,8 @@ class StepBuffers:
         self.symbolic_extend = False
         # Per step kind, rows -> the fields of a step of that many rows, kept: a graph replays on them.
         self._kept_views: dict[str, dict[int, dict[str, torch.Tensor]]] = {"decode": {}, "verify": {}}
+        # Extend steps' fields per (rows, tokens, checkpoints), least recently used first.
+        self._kept_extend: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         self._arange = np.arange(max(self.max_tokens, max_batch_size * (draft_tokens + 1)) + 1, dtype=np.int64)
         self._block_table = block_table_host.numpy()  # the pool's host mirror: shares its memory
         # A decode step's packed offsets and last-token indices are 0, 1, 2, ... whatever its rows: written once.
@@ -278,14 +283,13 @@ class StepBuffers:
         region = self._region(kind)
         region.publish(tokens)
         self.last_step = (kind, rows, tokens, checkpoints)
+        if kind == "prefill":
+            return self._point_at(self._extend_views(region, rows, tokens, checkpoints), kind)
         kept = self._kept_views.get(kind)
         views = kept.get(rows) if kept is not None else None
         if views is None:
             views = {name: field[:_entries(spec, rows, tokens, checkpoints)]
                      for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
-            if kind == "prefill" and self.symbolic_extend:  # fresh slices each step: no graph keeps them
-                for name, view in views.items():
-                    _mark_extend(view, BUFFER_SPECS[name])
             if kept is not None:  # kept: a graph replays its bucket on these very tensors
                 kept[rows] = views
                 batch = self.symbolic_batch[kind]
@@ -293,7 +297,27 @@ class StepBuffers:
                     mark_static(view)
                     if batch is not None and rows in batch and not isinstance(BUFFER_SPECS[name], PerCheckpoint):
                         _mark_batch(view, BUFFER_SPECS[name], batch, self.draft_tokens + 1 if kind == "verify" else 1)
-        # What the metadata points at: for a decode or verify step, the same dict at every step of its size
+        return self._point_at(views, kind)
+
+    def _extend_views(self, region: FieldRegion, rows: int, tokens: int, checkpoints: int) -> dict[str, torch.Tensor]:
+        """An extend step's slices, kept per shape for the shapes seen last (`EXTEND_SHAPES_KEPT`): a prompt's
+        chunks of one length, or prompts of one length arriving one by one, are steps of one shape, and
+        the compiled extend step calls its graph directly on the slices it has seen (as a decode bucket's)."""
+        key = (rows, tokens, checkpoints)
+        views = self._kept_extend.pop(key, None)
+        if views is None:
+            views = {name: field[:_entries(spec, rows, tokens, checkpoints)]
+                     for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
+            if self.symbolic_extend:
+                for name, view in views.items():
+                    _mark_extend(view, BUFFER_SPECS[name])
+            if len(self._kept_extend) >= EXTEND_SHAPES_KEPT:
+                self._kept_extend.pop(next(iter(self._kept_extend)))  # the least recently used
+        self._kept_extend[key] = views  # (last: the most recently used)
+        return views
+
+    def _point_at(self, views: dict[str, torch.Tensor], kind: str) -> StepMetadata:
+        # What the metadata points at: for each step kind and shape, the same dict at every step
         self.published = views
         md = self.metadata
         md.is_decode = kind == "decode"
@@ -315,6 +339,7 @@ class StepBuffers:
         """From now on extend steps' slices are marked (see `symbolic_extend`); the step last prepared, if an
         extend step, is published again on marked ones."""
         self.symbolic_extend = True
+        self._kept_extend.clear()
         if self.last_step is not None and self.last_step[0] == "prefill":
             self._publish(*self.last_step)
 

@@ -265,11 +265,10 @@ class Runner:
 
     def _run_compiled(self, compiled, plan: StepPlan) -> tuple[torch.Tensor, ...]:
         """The compiled step of the plan's kind. A decode or verify bucket reads the same metadata slices at
-        every step (kept by the step buffers), so those slices stand for its inputs; an extend step's are
-        new at every step."""
-        if plan.kind is StepKind.EXTEND:
-            return compiled.run(EXTEND_GRAPH)
-        return compiled.run(plan.bucket, inputs=self.backend.buffers.published)
+        every step, and an extend step of a shape seen lately the same as its last of that shape (kept by
+        the step buffers), so those slices stand for its inputs."""
+        inputs = self.backend.buffers.published
+        return compiled.run(EXTEND_GRAPH if plan.kind is StepKind.EXTEND else plan.bucket, inputs=inputs)
 
     def eager_extend(self, plan: StepPlan) -> bool:
         """Whether an extend plan runs eagerly: the compiled step does not hand back every token's hidden

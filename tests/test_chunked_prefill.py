@@ -178,7 +178,7 @@ def test_compiled_extend_matches_transformers_in_one_graph_while_others_decode(n
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled = []
     run = engine.worker.extender.run
-    engine.worker.extender.run = lambda bucket: compiled.append(bucket) or run(bucket)
+    engine.worker.extender.run = lambda bucket, **kw: compiled.append(bucket) or run(bucket, **kw)
     log = PrefillLog(engine)
     short = [random_prompt(n, seed=800 + n) for n in (2, 3)]
     long = [random_prompt(n, seed=900 + n) for n in (9, 17, 40, 150)]
@@ -217,7 +217,7 @@ def test_compiled_extend_takes_the_prefix_checkpoints_later_prompts_resume_from(
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled = []
     run = engine.worker.extender.run
-    engine.worker.extender.run = lambda bucket: compiled.append(bucket) or run(bucket)
+    engine.worker.extender.run = lambda bucket, **kw: compiled.append(bucket) or run(bucket, **kw)
     log = PrefillLog(engine)
     first = random_prompt(45, seed=1000)
     second = first[:33] + random_prompt(12, seed=1001)

@@ -70,6 +70,23 @@ int64_t task_grain(int64_t per_item) { return std::max<int64_t>(1, 32768 / std::
 // hundred nanoseconds a call, and a decode step passes some hundred index and weight tensors).
 at::Tensor in_dtype(const at::Tensor& t, at::ScalarType dtype) { return t.scalar_type() == dtype ? t : t.to(dtype); }
 
+// A tensor of int32 or int64 values as int64s, plus `offset`, read where it lies: a step's slot ids and
+// lengths are int32, and a converted copy per call would be a tensor allocated and filled for each layer.
+std::vector<int64_t> indices_of(const at::Tensor& t_in, int64_t offset) {
+  const at::Tensor t = t_in.dim() == 1 ? t_in : t_in.reshape({-1});
+  const int64_t n = t.size(0), stride = t.stride(0);
+  std::vector<int64_t> out(n);
+  if (t.scalar_type() == at::kInt) {
+    const int32_t* p = t.data_ptr<int32_t>();
+    for (int64_t i = 0; i < n; ++i) out[i] = p[i * stride] + offset;
+  } else {
+    const auto wide = in_dtype(t, at::kLong);  // (int64 as it is; anything else converted)
+    const int64_t* p = wide.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) out[i] = p[i * wide.stride(0)] + offset;
+  }
+  return out;
+}
+
 void check_state(const at::Tensor& state, const at::Tensor& x) {
   TORCH_CHECK(state.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat,
               "inkling conv kernels take fp32 inputs and fp32 state");
@@ -136,16 +153,18 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
   check_state(state, x_in);
   const auto x = x_in.contiguous();
   const auto w = in_dtype(weight_in, at::kFloat).contiguous();
-  const auto qsl = in_dtype(query_start_loc, at::kLong).contiguous();
+  const std::vector<int64_t> qsl = indices_of(query_start_loc, 0);
   const auto his = in_dtype(has_initial_state, at::kBool).contiguous();
   const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
   const int64_t B = idx.size(0), D = x.size(1), K = w.size(1), H = K - 1;
+  TORCH_CHECK(static_cast<int64_t>(qsl.size()) > B,
+              "sconv_extend: query_start_loc needs an entry per sequence and one more");
   auto y = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* sp = state.data_ptr<float>();
-  const int64_t* qp = qsl.data_ptr<int64_t>();
+  const int64_t* qp = qsl.data();
   const bool* hp = his.data_ptr<bool>();
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
@@ -508,23 +527,6 @@ inline float rounded(float x) {
   else return static_cast<float>(static_cast<scalar_t>(x));
 }
 
-// A tensor of int32 or int64 values as int64s, plus `offset`, read where it lies: a step's slot ids and
-// lengths are int32, and a converted copy per call would be a tensor allocated and filled for each layer.
-std::vector<int64_t> indices_of(const at::Tensor& t_in, int64_t offset) {
-  const at::Tensor t = t_in.dim() == 1 ? t_in : t_in.reshape({-1});
-  const int64_t n = t.size(0), stride = t.stride(0);
-  std::vector<int64_t> out(n);
-  if (t.scalar_type() == at::kInt) {
-    const int32_t* p = t.data_ptr<int32_t>();
-    for (int64_t i = 0; i < n; ++i) out[i] = p[i * stride] + offset;
-  } else {
-    const auto wide = in_dtype(t, at::kLong);  // (int64 as it is; anything else converted)
-    const int64_t* p = wide.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) out[i] = p[i * wide.stride(0)] + offset;
-  }
-  return out;
-}
-
 template <typename scalar_t, typename Keys>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& table, const at::Tensor& tau, const Keys& keys,
@@ -767,15 +769,15 @@ void extend_attention_tiled(const at::Tensor& q, const at::Tensor& k, const at::
 // Packed prefill chunks, each over its sequence's keys (see PackedKeys). fp32 goes in tiles (above);
 // bf16, which rounds as attend() does at every step, takes every query as a decode row whose keys are
 // contiguous, split over (query, kv head) pairs.
-at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-                            const std::optional<at::Tensor>& tau, const at::Tensor& query_start_loc,
-                            const at::Tensor& key_start_loc, int64_t window, int64_t rel_extent) {
-  const auto qsl = in_dtype(query_start_loc, at::kLong).contiguous();
-  const auto ksl = in_dtype(key_start_loc, at::kLong).contiguous();
-  const int64_t B = qsl.numel() - 1, T = q.size(0);
-  const int64_t* qs = qsl.data_ptr<int64_t>();
-  const int64_t* ks = ksl.data_ptr<int64_t>();
-  TORCH_CHECK(B >= 0 && ksl.numel() == B + 1, "extend_attention: query_start_loc and key_start_loc of one length");
+// (the start locations as int64s: the step's own are int32, read in place by the callers)
+at::Tensor extend_attention_at(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                               const std::optional<at::Tensor>& tau, const std::vector<int64_t>& qsl,
+                               const std::vector<int64_t>& ksl, int64_t window, int64_t rel_extent) {
+  const int64_t B = static_cast<int64_t>(qsl.size()) - 1, T = q.size(0);
+  const int64_t* qs = qsl.data();
+  const int64_t* ks = ksl.data();
+  TORCH_CHECK(B >= 0 && static_cast<int64_t>(ksl.size()) == B + 1,
+              "extend_attention: query_start_loc and key_start_loc of one length");
   TORCH_CHECK(window >= 0, "extend_attention: negative window");
   TORCH_CHECK(B == 0 || (qs[0] == 0 && ks[0] == 0 && qs[B] == T && ks[B] == k.size(0)),
               "extend_attention: the start locations must cover q and k");
@@ -813,6 +815,13 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::
                           "extend_attention");
 }
 
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                            const std::optional<at::Tensor>& tau, const at::Tensor& query_start_loc,
+                            const at::Tensor& key_start_loc, int64_t window, int64_t rel_extent) {
+  return extend_attention_at(q, k, v, table, tau, indices_of(query_start_loc, 0), indices_of(key_start_loc, 0), window,
+                             rel_extent);
+}
+
 // Packed prefill chunks over the caches (custom_ops/attention.py has the reference): each row's history
 // as the cache holds it before the chunk is written (a global layer's pages through block_table, or the
 // last window-1 positions of a sliding layer's ring), then its chunk's keys, gathered into packed keys
@@ -825,17 +834,16 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
                                    const at::Tensor& cache_indices, const at::Tensor& kv_locations,
                                    const at::Tensor& block_table, int64_t page_size, int64_t ring_size, int64_t window,
                                    int64_t rel_extent) {
-  const auto qsl = in_dtype(query_start_loc, at::kLong).contiguous();
-  const auto pos_t = in_dtype(positions, at::kLong).contiguous();
-  const auto slots_t = in_dtype(cache_indices, at::kLong).contiguous();
-  const int64_t rows = qsl.numel() - 1, T = k.size(0);
-  const int64_t *qs = qsl.data_ptr<int64_t>(), *pos = pos_t.data_ptr<int64_t>(), *slots = slots_t.data_ptr<int64_t>();
+  const std::vector<int64_t> qsl = indices_of(query_start_loc, 0), pos_v = indices_of(positions, 0),
+                             slots_v = indices_of(cache_indices, 0);
+  const int64_t rows = static_cast<int64_t>(qsl.size()) - 1, T = k.size(0);
+  const int64_t *qs = qsl.data(), *pos = pos_v.data(), *slots = slots_v.data();
   TORCH_CHECK(rows >= 0 && (rows == 0 || (qs[0] == 0 && qs[rows] == T)),
               "cached_extend_attention: query_start_loc must cover the chunk's ", T, " tokens");
   TORCH_CHECK(v.sizes() == k.sizes(), "cached_extend_attention: k and v of one shape expected");
   const int64_t cache_rows = std::min(k_cache.size(0), v_cache.size(0));
   const bool sliding = window > 0;
-  const auto bt = sliding ? block_table : in_dtype(block_table, at::kLong).contiguous();
+  const auto bt = sliding ? block_table : in_dtype(block_table, at::kInt).contiguous();
   TORCH_CHECK(sliding ? ring_size > 0 : (page_size > 0 && bt.dim() == 2),
               "cached_extend_attention: a ring size (sliding) or a page size and block table (global) expected");
   std::vector<int64_t> history(std::max<int64_t>(rows, 0), 0);
@@ -843,19 +851,20 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   for (int64_t b = 0; b < rows; ++b) {
     TORCH_CHECK(qs[b] <= qs[b + 1], "cached_extend_attention: query_start_loc decreases at row ", b);
     if (qs[b] == qs[b + 1]) continue;
-    TORCH_CHECK(qs[b] < pos_t.numel() && pos[qs[b]] >= 0, "cached_extend_attention: row ", b, " has no position");
+    TORCH_CHECK(qs[b] < static_cast<int64_t>(pos_v.size()) && pos[qs[b]] >= 0, "cached_extend_attention: row ", b,
+                " has no position");
     // A global row's history is bounded by what its block table reaches, before anything is sized by it.
     TORCH_CHECK(sliding || pos[qs[b]] <= bt.size(1) * page_size, "cached_extend_attention: row ", b,
                 " starts at position ", pos[qs[b]], ", past the ", bt.size(1) * page_size, " its block table reaches");
     history[b] = sliding ? std::min(pos[qs[b]], window - 1) : pos[qs[b]];
     any_history = any_history || history[b] > 0;
   }
-  at::Tensor keys = k, values = v, key_start_loc = qsl;
+  at::Tensor keys = k, values = v;
+  std::vector<int64_t> key_start_loc = qsl;
   if (any_history) {
-    TORCH_CHECK(rows <= slots_t.numel(), "cached_extend_attention: one slot per row expected");
-    const int64_t* pages = sliding ? nullptr : bt.data_ptr<int64_t>();
-    key_start_loc = at::empty({rows + 1}, qsl.options());
-    int64_t* ks = key_start_loc.data_ptr<int64_t>();
+    TORCH_CHECK(rows <= static_cast<int64_t>(slots_v.size()), "cached_extend_attention: one slot per row expected");
+    const int32_t* pages = sliding ? nullptr : bt.data_ptr<int32_t>();
+    int64_t* ks = key_start_loc.data();
     ks[0] = 0;
     for (int64_t b = 0; b < rows; ++b) ks[b + 1] = ks[b] + history[b] + qs[b + 1] - qs[b];
     // Each packed key's source: a cache row (>= 0) or a chunk token (-1 - t).
@@ -900,7 +909,7 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   }
   // The attention reads the gathered keys (or the chunk's own), never the caches: run first, its own
   // refusals (heads, tau) leave the caches as they were.
-  auto out = extend_attention(q, keys, values, table, tau, qsl, key_start_loc, window, rel_extent);
+  auto out = extend_attention_at(q, keys, values, table, tau, qsl, key_start_loc, window, rel_extent);
   kv_write(k_cache, v_cache, k, v, kv_locations);  // checks every location before it writes
   return out;
 }

@@ -181,11 +181,9 @@ class StatePool:
         row.zero_()
         row[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
         self.block_table[slot].copy_(row)
-        for t in each_layer(self.conv.values()):
-            t[slot].zero_()
         R = self.ring_size
-        for t in each_layer(self.sliding_kv):
-            t[slot * R:(slot + 1) * R].zero_()
+        torch._foreach_zero_([t[slot] for t in each_layer(self.conv.values())] +
+                             [t[slot * R:(slot + 1) * R] for t in each_layer(self.sliding_kv)])
 
     def clear_block_row(self, slot: int) -> None:
         self.block_table[slot].zero_()
