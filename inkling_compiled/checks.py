@@ -9,8 +9,9 @@ from .errors import OptionError
 
 
 def is_int(x) -> bool:
-    """An integer (numpy's included), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    """An integer (numpy's included), not a bool. A plain int is answered first: a prompt's ids are checked
+    one by one, and the ABC check costs some twenty times as much."""
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
 
 
 def is_finite(x) -> bool:
