@@ -291,7 +291,7 @@ def _versions(values) -> dict[int, int]:
 
 class _GraphCallRecorder:
     """Records, on this thread, each call of an inductor graph (`CompiledFxGraph`) made inside the block:
-    the graph, its arguments as given (the entry clears its list) and its outputs. Binding is rare (once per bucket and step kind): the class's call
+    the graph, its arguments as given (the entry clears its list) and its outputs. Binding is rare (once per bucket and step kind, and per extend shape seen twice): the class's call
     is swapped for the block under a lock, and calls on other threads pass through untouched."""
 
     _lock = threading.Lock()

@@ -248,8 +248,10 @@ class StepBuffers:
         self.symbolic_extend = False
         # Per step kind, rows -> the fields of a step of that many rows, kept: a graph replays on them.
         self._kept_views: dict[str, dict[int, dict[str, torch.Tensor]]] = {"decode": {}, "verify": {}}
-        # Extend steps' fields per (rows, tokens, checkpoints), least recently used first.
+        # Extend steps' fields per (rows, tokens, checkpoints), least recently used first; and whether the
+        # extend step last published is of a shape kept from an earlier step.
         self._kept_extend: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+        self.extend_shape_seen = False
         self._arange = np.arange(max(self.max_tokens, max_batch_size * (draft_tokens + 1)) + 1, dtype=np.int64)
         self._block_table = block_table_host.numpy()  # the pool's host mirror: shares its memory
         # A decode step's packed offsets and last-token indices are 0, 1, 2, ... whatever its rows: written once.
@@ -302,9 +304,11 @@ class StepBuffers:
     def _extend_views(self, region: FieldRegion, rows: int, tokens: int, checkpoints: int) -> dict[str, torch.Tensor]:
         """An extend step's slices, kept per shape for the shapes seen last (`EXTEND_SHAPES_KEPT`): a prompt's
         chunks of one length, or prompts of one length arriving one by one, are steps of one shape, and
-        the compiled extend step calls its graph directly on the slices it has seen (as a decode bucket's)."""
+        the compiled extend step calls its graph directly on the slices it has seen (as a decode bucket's;
+        `Runner._run_compiled` binds a shape at its second step)."""
         key = (rows, tokens, checkpoints)
         views = self._kept_extend.pop(key, None)
+        self.extend_shape_seen = views is not None
         if views is None:
             views = {name: field[:_entries(spec, rows, tokens, checkpoints)]
                      for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}

@@ -266,9 +266,13 @@ class Runner:
     def _run_compiled(self, compiled, plan: StepPlan) -> tuple[torch.Tensor, ...]:
         """The compiled step of the plan's kind. A decode or verify bucket reads the same metadata slices at
         every step, and an extend step of a shape seen lately the same as its last of that shape (kept by
-        the step buffers), so those slices stand for its inputs."""
-        inputs = self.backend.buffers.published
-        return compiled.run(EXTEND_GRAPH if plan.kind is StepKind.EXTEND else plan.bucket, inputs=inputs)
+        the step buffers), so those slices stand for its inputs. An extend shape is bound (a recorded
+        call) from its second step on: prompts of many lengths would pay the recording for shapes that
+        never come again."""
+        buffers = self.backend.buffers
+        if plan.kind is StepKind.EXTEND:
+            return compiled.run(EXTEND_GRAPH, inputs=buffers.published if buffers.extend_shape_seen else None)
+        return compiled.run(plan.bucket, inputs=buffers.published)
 
     def eager_extend(self, plan: StepPlan) -> bool:
         """Whether an extend plan runs eagerly: the compiled step does not hand back every token's hidden

@@ -597,6 +597,7 @@ def test_cached_extend_attention_reads_the_history_the_cache_holds(kernel, windo
 @pytest.mark.parametrize("window, edit, message", [
     (0, lambda a: a.__setitem__(9, torch.tensor([3, 7], dtype=torch.int32)), "slot 7"),
     (0, lambda a: a.__setitem__(11, a[11] + 1000), "reads cache row"),
+    (0, lambda a: a.__setitem__(11, a[11].long() + 2 ** 32), "reads cache row"),  # an int64 table is never narrowed
     (8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9"),
     (0, lambda a: a.__setitem__(7, torch.tensor([0, 2, 8], dtype=torch.int32)), "cover the chunk's 9 tokens"),
     (0, lambda a: a.__setitem__(8, a[8] + 10 ** 12), "position 1000000000004, past the 16 its block table reaches"),

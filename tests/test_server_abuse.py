@@ -215,13 +215,22 @@ class BodyWrites:
         self.writes.append(count[0])
 
 
-def test_events_that_arrived_together_leave_in_one_write_each_still_its_own_event(checkpoint):
-    """A handler that wakes behind the engine (its event loop was busy for a second while the request's
-    steps ran) sends what piled up in one write, not one per step, with its usage and [DONE]; the client
-    still reads one event per step, each with its usage so far."""
+def test_events_that_arrived_together_leave_in_one_write_each_still_its_own_event(checkpoint, monkeypatch):
+    """A handler that wakes behind the engine (its event loop was busy while the request's last 11 steps
+    ran) sends what piled up in one write, not one per step, with its usage and [DONE]; the client still
+    reads one event per step, each with its usage so far."""
     from inkling_compiled.server.serve import ApiServer
 
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, progress=False, max_batch_size=8)
+    real, steps, go = engine.worker.runner.run, [], threading.Event()
+
+    def gated(plan):  # every step after the first waits until the event loop is busy
+        steps.append(plan)
+        if len(steps) > 1:
+            go.wait(60)
+        return real(plan)
+
+    monkeypatch.setattr(engine.worker.runner, "run", gated)
     server = ApiServer(engine, port=0, model_name="tiny")
     counter = server.uvicorn.config.app = BodyWrites(server.uvicorn.config.app)
     server.start()
@@ -231,7 +240,10 @@ def test_events_that_arrived_together_leave_in_one_write_each_still_its_own_even
         data = b""
         while b"data: " not in data:  # the first event: the handler now waits for the next
             data += sock.recv(65536)
-        counter.loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop is busy while the other 11 steps run
+        blocked = threading.Event()
+        counter.loop.call_soon_threadsafe(lambda: (blocked.set(), time.sleep(2.0)))  # busy while 11 steps run
+        assert blocked.wait(60)
+        go.set()
         while b"data: [DONE]" not in data:
             data += sock.recv(65536)
         sock.close()

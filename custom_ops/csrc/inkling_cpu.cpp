@@ -834,16 +834,20 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
                                    const at::Tensor& cache_indices, const at::Tensor& kv_locations,
                                    const at::Tensor& block_table, int64_t page_size, int64_t ring_size, int64_t window,
                                    int64_t rel_extent) {
-  const std::vector<int64_t> qsl = indices_of(query_start_loc, 0), pos_v = indices_of(positions, 0),
-                             slots_v = indices_of(cache_indices, 0);
+  const std::vector<int64_t> qsl = indices_of(query_start_loc, 0), slots_v = indices_of(cache_indices, 0);
+  const auto pos_t = in_dtype(positions, at::kLong).contiguous();  // (the step's are int64: no copy)
   const int64_t rows = static_cast<int64_t>(qsl.size()) - 1, T = k.size(0);
-  const int64_t *qs = qsl.data(), *pos = pos_v.data(), *slots = slots_v.data();
+  const int64_t *qs = qsl.data(), *pos = pos_t.data_ptr<int64_t>(), *slots = slots_v.data();
   TORCH_CHECK(rows >= 0 && (rows == 0 || (qs[0] == 0 && qs[rows] == T)),
               "cached_extend_attention: query_start_loc must cover the chunk's ", T, " tokens");
   TORCH_CHECK(v.sizes() == k.sizes(), "cached_extend_attention: k and v of one shape expected");
   const int64_t cache_rows = std::min(k_cache.size(0), v_cache.size(0));
   const bool sliding = window > 0;
-  const auto bt = sliding ? block_table : in_dtype(block_table, at::kInt).contiguous();
+  // The step's block table is int32, read as it is; any other integer table is read as int64 (never
+  // narrowed: a page id past int32 must fail the cache-row check, not wrap into range).
+  const auto bt = sliding ? block_table
+                          : (block_table.scalar_type() == at::kInt ? block_table : in_dtype(block_table, at::kLong))
+                                .contiguous();
   TORCH_CHECK(sliding ? ring_size > 0 : (page_size > 0 && bt.dim() == 2),
               "cached_extend_attention: a ring size (sliding) or a page size and block table (global) expected");
   std::vector<int64_t> history(std::max<int64_t>(rows, 0), 0);
@@ -851,8 +855,7 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   for (int64_t b = 0; b < rows; ++b) {
     TORCH_CHECK(qs[b] <= qs[b + 1], "cached_extend_attention: query_start_loc decreases at row ", b);
     if (qs[b] == qs[b + 1]) continue;
-    TORCH_CHECK(qs[b] < static_cast<int64_t>(pos_v.size()) && pos[qs[b]] >= 0, "cached_extend_attention: row ", b,
-                " has no position");
+    TORCH_CHECK(qs[b] < pos_t.numel() && pos[qs[b]] >= 0, "cached_extend_attention: row ", b, " has no position");
     // A global row's history is bounded by what its block table reaches, before anything is sized by it.
     TORCH_CHECK(sliding || pos[qs[b]] <= bt.size(1) * page_size, "cached_extend_attention: row ", b,
                 " starts at position ", pos[qs[b]], ", past the ", bt.size(1) * page_size, " its block table reaches");
@@ -863,7 +866,10 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   std::vector<int64_t> key_start_loc = qsl;
   if (any_history) {
     TORCH_CHECK(rows <= static_cast<int64_t>(slots_v.size()), "cached_extend_attention: one slot per row expected");
-    const int32_t* pages = sliding ? nullptr : bt.data_ptr<int32_t>();
+    const bool narrow = !sliding && bt.scalar_type() == at::kInt;
+    const int32_t* pages32 = narrow ? bt.data_ptr<int32_t>() : nullptr;
+    const int64_t* pages64 = sliding || narrow ? nullptr : bt.data_ptr<int64_t>();
+    auto page_of = [&](int64_t i) { return narrow ? static_cast<int64_t>(pages32[i]) : pages64[i]; };
     int64_t* ks = key_start_loc.data();
     ks[0] = 0;
     for (int64_t b = 0; b < rows; ++b) ks[b + 1] = ks[b] + history[b] + qs[b + 1] - qs[b];
@@ -879,7 +885,7 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
         } else {
           TORCH_CHECK(slot >= 0 && slot < bt.size(0) && p / page_size < bt.size(1),
                       "cached_extend_attention: row ", b, " (slot ", slot, ") has no page for position ", p);
-          loc = pages[slot * bt.size(1) + p / page_size] * page_size + p % page_size;
+          loc = page_of(slot * bt.size(1) + p / page_size) * page_size + p % page_size;
         }
         TORCH_CHECK(slot >= 0 && loc >= 0 && loc < cache_rows, "cached_extend_attention: row ", b, " (slot ", slot,
                     ") reads cache row ", loc, " of ", cache_rows);
