@@ -121,7 +121,8 @@ class PackagedForward:
     `FrameCall` calls the wrapper). A different object, or none, takes the guarded path. The object is a promise:
     while it is the same, so is everything the guards check (the engine's keys are the slices a kind of
     step keeps per batch size, or an extend step per shape, and what its guards watch, the metadata's kind
-    and draft count, is fixed per kind). A frame found unfit to bind is run the usual way from then on, without a second look."""
+    and draft count, is fixed per kind). A frame found unfit to bind is run the usual way from then on,
+    without a second look."""
 
     BOUND_LIMIT = 64  # bound calls kept (one per batch bucket and step kind, one per extend shape kept)
 
@@ -291,8 +292,9 @@ def _versions(values) -> dict[int, int]:
 
 class _GraphCallRecorder:
     """Records, on this thread, each call of an inductor graph (`CompiledFxGraph`) made inside the block:
-    the graph, its arguments as given (the entry clears its list) and its outputs. Binding is rare (once per bucket and step kind, and per extend shape seen twice): the class's call
-    is swapped for the block under a lock, and calls on other threads pass through untouched."""
+    the graph, its arguments as given (the entry clears its list) and its outputs. Binding is rare (once
+    per bucket and step kind, and per extend shape seen twice): the class's call is swapped for the block
+    under a lock, and calls on other threads pass through untouched."""
 
     _lock = threading.Lock()
 

@@ -125,6 +125,12 @@ def _mark_extend(view: torch.Tensor, spec: PerRow | PerToken | PerCheckpoint) ->
                    "extend tokens" if isinstance(spec, PerToken) else "extend checkpoints")
 
 
+def _slices(region: FieldRegion, rows: int, tokens: int, checkpoints: int) -> dict[str, torch.Tensor]:
+    """A step's leading slice of each of the region's fields."""
+    return {name: field[:_entries(spec, rows, tokens, checkpoints)]
+            for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
+
+
 def check_verify_shapes(md: StepMetadata) -> int:
     """Tells the compiler how a verify step's slices relate (each its own symbol when marked): B + extra
     entries per row, B x (K+1) per token, B the rows. Returns B. Checked at run time too."""
@@ -290,8 +296,7 @@ class StepBuffers:
         kept = self._kept_views.get(kind)
         views = kept.get(rows) if kept is not None else None
         if views is None:
-            views = {name: field[:_entries(spec, rows, tokens, checkpoints)]
-                     for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
+            views = _slices(region, rows, tokens, checkpoints)
             if kept is not None:  # kept: a graph replays its bucket on these very tensors
                 kept[rows] = views
                 batch = self.symbolic_batch[kind]
@@ -301,7 +306,8 @@ class StepBuffers:
                         _mark_batch(view, BUFFER_SPECS[name], batch, self.draft_tokens + 1 if kind == "verify" else 1)
         return self._point_at(views, kind)
 
-    def _extend_views(self, region: FieldRegion, rows: int, tokens: int, checkpoints: int) -> dict[str, torch.Tensor]:
+    def _extend_views(self, region: FieldRegion, rows: int, tokens: int, checkpoints: int
+                      ) -> dict[str, torch.Tensor]:
         """An extend step's slices, kept per shape for the shapes seen last (`EXTEND_SHAPES_KEPT`): a prompt's
         chunks of one length, or prompts of one length arriving one by one, are steps of one shape, and
         the compiled extend step calls its graph directly on the slices it has seen (as a decode bucket's;
@@ -310,8 +316,7 @@ class StepBuffers:
         views = self._kept_extend.pop(key, None)
         self.extend_shape_seen = views is not None
         if views is None:
-            views = {name: field[:_entries(spec, rows, tokens, checkpoints)]
-                     for (name, field), spec in zip(region.fields.items(), BUFFER_SPECS.values())}
+            views = _slices(region, rows, tokens, checkpoints)
             if self.symbolic_extend:
                 for name, view in views.items():
                     _mark_extend(view, BUFFER_SPECS[name])

@@ -4,6 +4,7 @@ limits, and the CLI's refusals before anything loads. Oracles: the event loop's 
 engine's metrics (slots and pages back), and `Engine.generate` for what a stream must carry.
 """
 
+import asyncio
 import json
 import socket
 import threading
@@ -202,8 +203,6 @@ class BodyWrites:
         self.app, self.writes, self.loop = app, [], None
 
     async def __call__(self, scope, receive, send):
-        import asyncio
-
         self.loop = asyncio.get_running_loop()
         count = [0]
 

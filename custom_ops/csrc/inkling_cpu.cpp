@@ -845,9 +845,8 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   const bool sliding = window > 0;
   // The step's block table is int32, read as it is; any other integer table is read as int64 (never
   // narrowed: a page id past int32 must fail the cache-row check, not wrap into range).
-  const auto bt = sliding ? block_table
-                          : (block_table.scalar_type() == at::kInt ? block_table : in_dtype(block_table, at::kLong))
-                                .contiguous();
+  const auto bt_type = block_table.scalar_type() == at::kInt ? at::kInt : at::kLong;
+  const auto bt = sliding ? block_table : in_dtype(block_table, bt_type).contiguous();
   TORCH_CHECK(sliding ? ring_size > 0 : (page_size > 0 && bt.dim() == 2),
               "cached_extend_attention: a ring size (sliding) or a page size and block table (global) expected");
   std::vector<int64_t> history(std::max<int64_t>(rows, 0), 0);
@@ -866,10 +865,9 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   std::vector<int64_t> key_start_loc = qsl;
   if (any_history) {
     TORCH_CHECK(rows <= static_cast<int64_t>(slots_v.size()), "cached_extend_attention: one slot per row expected");
-    const bool narrow = !sliding && bt.scalar_type() == at::kInt;
-    const int32_t* pages32 = narrow ? bt.data_ptr<int32_t>() : nullptr;
-    const int64_t* pages64 = sliding || narrow ? nullptr : bt.data_ptr<int64_t>();
-    auto page_of = [&](int64_t i) { return narrow ? static_cast<int64_t>(pages32[i]) : pages64[i]; };
+    const int32_t* pages32 = !sliding && bt.scalar_type() == at::kInt ? bt.data_ptr<int32_t>() : nullptr;
+    const int64_t* pages64 = sliding || pages32 ? nullptr : bt.data_ptr<int64_t>();
+    auto page_of = [&](int64_t i) { return pages32 ? int64_t{pages32[i]} : pages64[i]; };
     int64_t* ks = key_start_loc.data();
     ks[0] = 0;
     for (int64_t b = 0; b < rows; ++b) ks[b + 1] = ks[b] + history[b] + qs[b + 1] - qs[b];
