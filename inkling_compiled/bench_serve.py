@@ -145,21 +145,22 @@ def run_http(port: int, prompts: list[list[int]], concurrency: int, new_tokens: 
 
 def run_serve_bench(config: str, concurrencies: list[int], requests: int, prompt_len: int, new_tokens: int,
                     engine_process: bool = True, repeats: int = 3, client: str = "threads", aiperf: str = "aiperf",
-                    log=print) -> dict:
+                    mixed_steps: bool = True, log=print) -> dict:
     """The API on an engine of this process, and the server over an engine of its own process
     (`engine_process`, as `serve` runs) or that same engine stepped on a thread of this one. With an engine
     process the two paths take turns, `repeats` times each, and each reports its median run: a machine
     whose speed drifts moves both alike. `client`: "threads" (ours, one kept-alive connection per client)
-    or "aiperf" (the `aiperf` executable)."""
+    or "aiperf" (the `aiperf` executable). `mixed_steps`: both engines' (see the engine's option)."""
     from .server.engine_process import EngineProcess
     from .server.serve import ApiServer
 
     torch.set_num_threads(1)
     results = {"config": config, "requests": requests, "prompt_len": prompt_len, "new_tokens": new_tokens,
-               "engine_process": engine_process, "repeats": repeats, "client": client, "runs": []}
+               "engine_process": engine_process, "repeats": repeats, "client": client, "mixed_steps": mixed_steps,
+               "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = build_tiny_checkpoint(Path(tmp) / config, config)
-        options = dict(max_batch_size=max(concurrencies), prefix_cache=False,
+        options = dict(max_batch_size=max(concurrencies), prefix_cache=False, mixed_steps=mixed_steps,
                        max_model_len=prompt_len + new_tokens + 1, progress=False)
         engine = Engine.from_pretrained(path, **options)
         with engine:

@@ -69,7 +69,7 @@ def _engine_args(args):
                 parallel_compile=args.parallel_compile, max_batch_size=args.max_batch_size,
                 buckets=buckets, compile_backend=args.compile_backend,
                 prefill_chunk_tokens=args.prefill_chunk_tokens, idle_prefill_tokens=args.idle_prefill_tokens,
-                prefix_cache=args.prefix_cache,
+                prefix_cache=args.prefix_cache, mixed_steps=args.mixed_steps,
                 speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                 draft_quantization=args.draft_quantization,
                 tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
@@ -347,7 +347,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
     results = run_serve_bench(args.config, args.concurrency, args.requests, args.prompt_len, args.new_tokens,
                               engine_process=args.engine_process, repeats=args.repeats, client=args.client,
-                              aiperf=args.aiperf)
+                              aiperf=args.aiperf, mixed_steps=args.mixed_steps)
     return _report(results, serve_table(results), args.json)
 
 
@@ -520,6 +520,9 @@ def _add_engine_options(p: argparse.ArgumentParser, max_batch_size: int = 32, bu
                         "--prefill-chunk-tokens when that is given)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the cached state of prompt prefixes other requests had (--no-prefix-cache: off)")
+    p.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="a step that prefills also decodes the running requests, in one forward (--no-mixed-steps: "
+                        "a decode forward of its own first; speculative decoding never mixes)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads per rank (default: torch's, every core, shared among the ranks)")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
@@ -714,6 +717,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="the server's engine in a process of its own, as serve runs it (--no-engine-process: on a "
                          "thread of the server's process)")
+    bs.add_argument("--mixed-steps", action=argparse.BooleanOptionalAction, default=True,
+                    help="both engines decode inside the prefill's forward when prompts arrive (--no-mixed-steps: "
+                         "a decode forward of its own first)")
     bs.add_argument("--json", default="bench-serve.json", help="results file")
     bs.set_defaults(run=_bench_serve)
     return p

@@ -68,15 +68,16 @@ class Engine:
                  layer_transfer: bool = False, warmup: bool = True,
                  progress: bool = True, prefix_cache: bool = True, prefix_checkpoints: int | None = None,
                  state_memory_bytes: int | None = None, host_cache_bytes: int = 0, speculative=None,
-                 num_speculative_tokens: int = 2, draft_quantization: str | None = None, max_prefill_tokens=None,
-                 ranks: Ranks | None = None):
+                 num_speculative_tokens: int = 2, draft_quantization: str | None = None, mixed_steps: bool = True,
+                 max_prefill_tokens=None, ranks: Ranks | None = None):
         config: InklingConfig = model.config
         self.model, self.config, self.tokenizer = model, config, tokenizer
         if max_prefill_tokens is not None:
             raise OptionError("max_prefill_tokens was replaced by prefill_chunk_tokens: the prompt tokens one step "
                               "prefills (a longer prompt is prefilled over several steps)")
-        for name, flag in (("warmup", warmup), ("progress", progress)):
+        for name, flag in (("warmup", warmup), ("progress", progress), ("mixed_steps", mixed_steps)):
             option_bool(name, flag)
+        self.mixed_steps = mixed_steps
         self.device = resolve_device(device)
         # Tensor parallelism (`from_pretrained(..., tensor_parallel_size=N)`): this engine is rank 0's.
         self.ranks = ranks if ranks is not None and ranks.world > 1 else None
@@ -358,22 +359,31 @@ class Engine:
     def _advance(self) -> list[Request]:
         """The requests this step advanced or finished, each once."""
         stepped: list[Request] = []
+        s = self.scheduler
         try:
-            running = list(self.scheduler.running)
+            running = list(s.running)
+            # A mixed step: the running requests decode inside the prefill's forward, which spares a forward
+            # whenever a prompt arrives (or continues) while others decode.
+            if self.mixed_steps and s.can_mix(running, self.worker.step_tokens) \
+                    and self._forward(None, lambda: s.mixed_plans(running), stepped):
+                return self._advanced(stepped)
             if running:
-                self._forward(running, lambda: self.scheduler.decode_plans(
+                self._forward(running, lambda: s.decode_plans(
                     running, self.drafter.propose(running) if self.drafter is not None else None), stepped)
             # after the decode, so the slots it freed are reused at once
-            self._forward(None, self.scheduler.extend_plans, stepped)
+            self._forward(None, s.extend_plans, stepped)
         except BaseException:  # an interrupt: what finished in this step is delivered with the next one
             self._finished += [r for r in stepped if r.finish_reason is not None]
             raise
+        return self._advanced(stepped)
+
+    def _advanced(self, stepped: list[Request]) -> list[Request]:
         advanced, self._finished = self._finished + stepped, []
         return list(dict.fromkeys(advanced))
 
-    def _forward(self, batch: list[Request] | None, plans_of, stepped: list[Request]) -> None:
+    def _forward(self, batch: list[Request] | None, plans_of, stepped: list[Request]) -> bool:
         """One forward of the running requests (`batch`: a plan per bucket-sized piece) or of the prompts
-        being prefilled (one extend plan), contained: if drafting, a forward or recording its tokens raises,
+        being prefilled (one extend plan, mixed or not); whether there was one to run. Contained: if drafting, a forward or recording its tokens raises,
         the requests fail (their pool state may be half-written) and are freed, and the engine carries on.
         An interrupt (KeyboardInterrupt, SystemExit) fails them the same way, then propagates."""
         plans, reqs, error = [], list(batch or []), None
@@ -398,8 +408,8 @@ class Engine:
                             self.drafter.observe_prefill(plan_rows, [len(t) for t in plan.tokens], hidden)
                         elif self.drafter is not None:
                             self.drafter.observe_tokens(plan_rows, emitted, hidden)
-                    if not extend:
-                        self.scheduler.count_step(plans[0].kind)
+                    if not extend or plans[0].decoding:
+                        self.scheduler.count_step(StepKind.DECODE if extend else plans[0].kind)
                 except BaseException as e:
                     if self._closed is not None:  # a tensor-parallel engine stopped every rank
                         raise
@@ -422,6 +432,7 @@ class Engine:
                 self._release(req)
         if error is not None and not isinstance(error, Exception):
             raise error
+        return bool(plans)
 
     def _execute(self, plan: StepPlan, reqs: list[Request]):
         try:

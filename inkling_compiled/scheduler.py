@@ -7,7 +7,9 @@ decode plan per bucket-sized batch, or a verify plan where the drafter guessed),
 no decoder's pace is at stake then, and longer chunks reach a first token sooner): the next chunks of prompts already being
 prefilled, then the first chunks of waiting requests admitted first come, first served (a free slot and
 the pages for their whole budget, from the cache manager). A request whose prompt is complete takes
-its first token from that forward and decodes from the next step on.
+its first token from that forward and decodes from the next step on. A step with prompt work may instead
+be mixed (`mixed_plan`): the running requests' tokens lead the extend plan, one row each, and their decode
+rides in the prefill's forward rather than a decode forward of its own.
 
 It knows nothing of tensors: it reads `Sampled` host values and writes `StepPlan`s.
 """
@@ -99,11 +101,24 @@ class Scheduler:
         plan = self.extend_plan()
         return [plan] if plan is not None else []
 
-    def extend_plan(self) -> StepPlan | None:
+    def can_mix(self, running: list[Request], step_tokens: int) -> bool:
+        """Whether this step may be mixed: requests decode, none speculates, prompt work waits, and the
+        running rows beside a full chunk fit the step's `step_tokens` (what its buffers hold)."""
+        return bool(running) and not self.draft_tokens and bool(self.prefilling or self.waiting) \
+            and len(running) + self.prefill_chunk_tokens <= step_tokens
+
+    def mixed_plans(self, running: list[Request]) -> list[StepPlan]:
+        """One extend plan whose leading rows decode the running requests (their newest token each, at
+        its position), the prompt chunks after them; none if no prompt can be prefilled now (then the
+        running requests decode on their own)."""
+        plan = self.extend_plan(running)
+        return [plan] if plan is not None else []
+
+    def extend_plan(self, decoding: list[Request] = ()) -> StepPlan | None:
         """The prompt tokens to prefill now, within the step's budget (the idle one when nothing is
         running); None if there are none. Prompts already being prefilled continue, then waiting requests
         are admitted while a slot and the pages for their whole budget are free (a prefix-cache hit starts
-        past its cached tokens)."""
+        past its cached tokens). `decoding`: running requests whose decode leads the plan (a mixed step)."""
         chunks, budget = [], self.prefill_chunk_tokens if self.running else self.idle_prefill_tokens
         for req in self.prefilling:
             if budget == 0:
@@ -122,19 +137,23 @@ class Scheduler:
             budget -= n
         if not chunks:
             return None
+        d = len(decoding)  # rows before the prompts' (their tokens too: one each)
         reqs = [r for r, _ in chunks]
         planned = self.cache.plan_checkpoints(chunks)
-        starts = list(itertools.accumulate([0] + [n for _, n in chunks]))
-        checkpoints = [Checkpoint(row, starts[row], req.prefilled, pages * self.cache.page_size, index)
+        starts = list(itertools.accumulate([d] + [n for _, n in chunks]))
+        checkpoints = [Checkpoint(d + row, starts[row], req.prefilled, pages * self.cache.page_size, index)
                        for row, ((req, _), points) in enumerate(zip(chunks, planned)) for pages, index in points.items()]
         scoring = {}
         if any(r.wants_prompt_logprobs for r in reqs):
-            scoring = dict(prompt_logprobs=[r.params.prompt_logprobs if r.wants_prompt_logprobs else -1 for r in reqs],
-                           next_tokens=[r.prompt[r.prefilled + n] if r.prefilled + n < len(r.prompt) else -1
-                                        for r, n in chunks])
-        return self._plan(StepKind.EXTEND, reqs, [r.prompt[r.prefilled:r.prefilled + n] for r, n in chunks],
-                          [r.prefilled for r in reqs], sampled=[r.prefilled + n == len(r.prompt) for r, n in chunks],
-                          checkpoints=checkpoints, **scoring)
+            scoring = dict(prompt_logprobs=[-1] * d + [r.params.prompt_logprobs if r.wants_prompt_logprobs else -1
+                                                       for r in reqs],
+                           next_tokens=[-1] * d + [r.prompt[r.prefilled + n] if r.prefilled + n < len(r.prompt) else -1
+                                                   for r, n in chunks])
+        return self._plan(StepKind.EXTEND, [*decoding, *reqs],
+                          [[r.output[-1]] for r in decoding] + [r.prompt[r.prefilled:r.prefilled + n] for r, n in chunks],
+                          [r.cached_len for r in decoding] + [r.prefilled for r in reqs],
+                          sampled=[True] * d + [r.prefilled + n == len(r.prompt) for r, n in chunks],
+                          checkpoints=checkpoints, decoding=d, **scoring)
 
     def _plan(self, kind: StepKind, reqs: list[Request], tokens: list[list[int]], starts: list[int], *,
               sampled: list[bool] | None = None, **fields) -> StepPlan:
@@ -154,14 +173,19 @@ class Scheduler:
         """Appends each row's tokens (a verify row: its accepted drafts and the target's own token after
         them), finishing a request at a stop token or its length; the tokens each row emitted."""
         if plan.kind is StepKind.EXTEND:
+            d = plan.decoding
             if out.prompt is not None:
-                for req, chosen, ids, vals in zip(reqs, out.prompt.logprobs, out.prompt.top_ids, out.prompt.top_logprobs):
+                for req, chosen, ids, vals in zip(reqs[d:], out.prompt.logprobs[d:], out.prompt.top_ids[d:],
+                                                  out.prompt.top_logprobs[d:]):
                     if req.wants_prompt_logprobs:
                         req.append_prompt_scores(chosen, ids, vals)
             for req, takes, tokens, chosen, ids, vals in zip(reqs, plan.sampled, out.tokens, out.logprobs, out.top_ids,
                                                              out.top_logprobs):
                 if takes:
                     req.append(tokens[0], chosen[0], ids[0], vals[0])
+            if d:  # the decoding rows' tokens count as a decode step's
+                self.counters["row_steps"] += d
+                self.counters["decode_tokens"] += d
             return [int(s) for s in plan.sampled]
         emitted = []
         for i, req in enumerate(reqs):
@@ -193,12 +217,13 @@ class Scheduler:
     def finish_extend(self, plan: StepPlan, reqs: list[Request]) -> None:
         """After an extend forward, failed or not: the prefilled pages enter the prefix cache; the rows
         that did not fail advance, and those whose prompt is complete decode from the next step on."""
-        chunks = [(req, len(t)) for req, t in zip(reqs, plan.tokens)]
-        planned: list[dict[int, int]] = [{} for _ in reqs]
+        d = plan.decoding  # rows that decoded: nothing of a prompt to commit
+        chunks = [(req, len(t)) for req, t in zip(reqs[d:], plan.tokens[d:])]
+        planned: list[dict[int, int]] = [{} for _ in chunks]
         for c in plan.checkpoints:
-            planned[c.row][c.boundary // self.cache.page_size] = c.index
+            planned[c.row - d][c.boundary // self.cache.page_size] = c.index
         self.cache.commit_prefill(chunks, planned)
-        for (req, n), complete in zip(chunks, plan.sampled):
+        for (req, n), complete in zip(chunks, plan.sampled[d:]):
             if req.finish_reason is None:
                 req.prefilled += n
                 if complete:

@@ -18,7 +18,8 @@ from .metadata import RowSampling
 class StepKind(enum.Enum):
     DECODE = "decode"  # one new token per row
     VERIFY = "verify"  # each row's newest token and K drafts, checked by the target (speculative decoding)
-    EXTEND = "extend"  # chunks of prompts, packed, each continuing its slot's state (chunked prefill)
+    EXTEND = "extend"  # chunks of prompts, packed, each continuing its slot's state (chunked prefill); may lead
+    # with running requests' newest tokens, one each (a mixed step: their decode rides in the prefill's forward)
 
 
 class Checkpoint(msgspec.Struct, array_like=True, frozen=True):
@@ -51,7 +52,8 @@ class StepPlan(msgspec.Struct, kw_only=True):
     starts: list[int]
     sampling: list[RowSampling]
     bucket: int | None = None  # the compiled step's bucket (rows padded up to it); None: eager, unpadded
-    sampled: list[bool] = []  # extend: the rows whose chunk ends the prompt (only they take a token)
+    sampled: list[bool] = []  # extend: the rows whose chunk ends the prompt, or decode (only they take a token)
+    decoding: int = 0  # extend: its leading rows are running requests decoding one token each (a mixed step)
     limits: list[int] = []  # verify: each row's token budget (a draft at or past it is never emitted)
     drafted: list[int] = []  # verify: how many of a row's K drafts are real (the rest stand in)
     checkpoints: list[Checkpoint] = []  # extend: prefix-cache checkpoints taken on the way

@@ -101,8 +101,10 @@ class Worker:
                               max_pages_per_seq=pages_for(max_model_len, page_size), dtype=dtype, device=device,
                               layer_transfer=layer_transfer, checkpoints=checkpoints,
                               spec_draft_tokens=draft_tokens + 1 if draft_tokens else 0)
+        # An extend step holds a prompt budget's tokens, and beside them (a mixed step) a token per running row.
         self.backend = StepBackend(self.pool, config, max_batch_size=max_batch_size,
-                                   max_tokens=self.idle_prefill_tokens, device=device, draft_tokens=draft_tokens)
+                                   max_tokens=self.idle_prefill_tokens + self.max_batch_size, device=device,
+                                   draft_tokens=draft_tokens)
         self.draft_tokens = draft_tokens
         compile_package = option_bool("compile_package", compile_package)
         steps: dict[StepKind, CompiledStep | None] = {kind: None for kind in StepKind}
@@ -219,6 +221,11 @@ class Worker:
         if self.ranks is not None:
             self.ranks.check()
             self.ranks.channel.send(header, None if plan is None else msgspec.msgpack.encode(plan))
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one extend step holds (its metadata buffers' size)."""
+        return self.backend.buffers.max_tokens
 
     def execute(self, plan: StepPlan, to_host: bool = True) -> tuple[Sampled | None, torch.Tensor | None]:
         """Runs the plan's forward: (what it sampled, on the host, when any row takes a token; the hidden

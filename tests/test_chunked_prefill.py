@@ -22,8 +22,8 @@ class PrefillLog:
         inner = engine.worker.runner.run
 
         def run(plan):
-            if plan.kind is StepKind.EXTEND:
-                self.tokens.append(sum(len(t) for t in plan.tokens))
+            if plan.kind is StepKind.EXTEND:  # prompt tokens (a mixed step's decoding rows lead it)
+                self.tokens.append(sum(len(t) for t in plan.tokens[plan.decoding:]))
             return inner(plan)
 
         engine.worker.runner.run = run
@@ -99,11 +99,12 @@ def test_compiled_decode_after_chunked_prefill(checkpoint, hf_greedy):
 
 def test_a_fault_in_a_middle_chunk_fails_that_request_and_is_reported(checkpoint, hf_greedy):
     """A prompt whose second of four chunks fails ends with finish_reason="error" (it samples nothing in
-    that step, yet its end is reported); a request decoding beside it is untouched; nothing leaks."""
+    that step, yet its end is reported); a request decoding beside it in a forward of its own is untouched
+    (in a mixed step it would fail with the prompt: test_reliability.py); nothing leaks."""
     from test_reliability import FaultyKernel
 
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, prefill_chunk_tokens=10,
-                                    progress=False)
+                                    mixed_steps=False, progress=False)
     short, long = random_prompt(3, seed=800), random_prompt(40, seed=801)
     calm = engine.add_request(short, PARAMS)
     engine.step()  # the short prompt's prefill
@@ -228,3 +229,36 @@ def test_compiled_extend_takes_the_prefix_checkpoints_later_prompts_resume_from(
     assert_matches(hf_greedy, name, first, got_first)
     assert_matches(hf_greedy, name, second, got_second)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_a_prompt_arriving_while_others_decode_shares_their_forward(mixed, checkpoint, hf_greedy):
+    """Mixed steps (the default): the step that prefills a new prompt decodes the running requests in the
+    same compiled forward, an extend plan led by one row each, and every request still gets transformers'
+    tokens and logprobs; with `mixed_steps=False` the decode is a forward of its own before the prefill."""
+    engine = Engine.from_pretrained(checkpoint("tiny"), max_batch_size=4, buckets=(1, 2, 4), mixed_steps=mixed,
+                                    progress=False)
+    forwards: list[list[tuple[StepKind, int]]] = []  # per engine step: each forward's kind and decoding rows
+    execute = engine.worker.execute
+
+    def logged(plan, *args, **kwargs):
+        forwards[-1].append((plan.kind, plan.decoding))
+        return execute(plan, *args, **kwargs)
+
+    engine.worker.execute = logged
+    prompts = [random_prompt(n, seed=950 + n) for n in (5, 11, 23)]
+    rids, final = [], {}
+    for step in range(40):
+        if step % 2 == 0 and len(rids) < len(prompts):  # an arrival every other step, beside 0, 1 and 2 decoders
+            rids.append(engine.add_request(prompts[len(rids)], PARAMS))
+        forwards.append([])
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    arrivals = [forwards[0], forwards[2], forwards[4]]
+    if mixed:
+        assert arrivals == [[(StepKind.EXTEND, 0)], [(StepKind.EXTEND, 1)], [(StepKind.EXTEND, 2)]]
+    else:
+        assert arrivals == [[(StepKind.EXTEND, 0)], [(StepKind.DECODE, 0), (StepKind.EXTEND, 0)],
+                            [(StepKind.DECODE, 0), (StepKind.EXTEND, 0)]]
+    assert engine.scheduler.counters["decode_tokens"] == len(prompts) * (NEW - 1)  # first tokens come from prefill
+    for prompt, rid in zip(prompts, rids):
+        assert_matches(hf_greedy, "tiny", prompt, final[rid])

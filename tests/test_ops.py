@@ -619,6 +619,24 @@ def test_cached_extend_attention_refuses_a_history_outside_the_cache_by_name(win
         torch.testing.assert_close(cache, before, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("window, edit, message", [
+    (0, lambda a: a.__setitem__(11, a[11] + 1000), "reads cache row"),
+    (0, lambda a: a.__setitem__(9, torch.tensor([3, 7], dtype=torch.int32)), "slot 7"),
+    (8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9")])
+def test_cached_extend_attention_refuses_a_one_token_rows_history_outside_the_cache(window, edit, message):
+    """Rows of one token with a history (a decode row in a mixed step) read the cache in place, as a
+    decode step does: a block table or slot pointing past the cache is refused by name all the same,
+    and nothing is written."""
+    g = torch.Generator().manual_seed(38)
+    args = cached_chunk_case(g, [1, 1], [4, 9], 2, 2, 8, window=window)["args"]
+    edit(args)
+    caches = [args[3].clone(), args[4].clone()]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.inkling.cached_extend_attention(*args)
+    for cache, before in zip(args[3:5], caches):
+        torch.testing.assert_close(cache, before, rtol=0, atol=0, equal_nan=True)
+
+
 def test_cached_extend_attention_opcheck():
     g = torch.Generator().manual_seed(5)
     for window in (0, 8):

@@ -169,8 +169,10 @@ def test_buffers_never_grow(checkpoint):
     engine = Engine.from_pretrained(checkpoint("tiny"), compile=False, max_batch_size=2, prefill_chunk_tokens=8)
     with pytest.raises(ValueError, match="max_batch_size=2"):
         engine.worker.backend.prepare_decode([1, 2, 3], [1, 2, 3], [0, 0, 0], [GREEDY_PAD] * 3)
-    with pytest.raises(ValueError, match="max_tokens=8"):
-        engine.worker.backend.prepare_prefill([[5] * 9], [1], [GREEDY_PAD])
+    # a prompt budget of 8, and a token for each running row beside it (a mixed step): 10 fit, 11 do not
+    engine.worker.backend.prepare_prefill([[5] * 10], [1], [GREEDY_PAD])
+    with pytest.raises(ValueError, match="max_tokens=10"):
+        engine.worker.backend.prepare_prefill([[5] * 11], [1], [GREEDY_PAD])
 
 
 def test_static_scan_is_clean_and_catches_violations():

@@ -143,7 +143,7 @@ def test_sampling_fields_the_step_cannot_represent_are_refused():
 
 
 def test_an_interrupt_in_the_prefill_keeps_the_decode_that_finished_before_it(checkpoint):
-    engine = make_engine(checkpoint, False)
+    engine = make_engine(checkpoint, False, mixed_steps=False)  # the decode is a forward of its own
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     first = engine.add_request(clean_prompt(5, seed=1), params)
     engine.step()  # prefill: token 1 of 2
@@ -158,6 +158,28 @@ def test_an_interrupt_in_the_prefill_keeps_the_decode_that_finished_before_it(ch
     assert (outs[first].finish_reason, len(outs[first].token_ids)) == ("length", 2)  # not decoded again
     assert outs[second].finish_reason == "error"
     assert not engine.has_unfinished() and engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
+
+
+def test_an_interrupt_in_a_mixed_step_fails_the_decoding_rows_it_carried(checkpoint):
+    """A mixed step's decode and prefill are one forward: an interrupt in it fails every row (a decoding
+    row's state is as half-written as a prompt's), frees their slots, and the engine serves on."""
+    engine = make_engine(checkpoint, False)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    first = engine.add_request(clean_prompt(5, seed=1), params)
+    engine.step()  # prefill: token 1 of 3
+    second = engine.add_request(clean_prompt(6, seed=2), params)
+    fault = FaultyKernel("sconv_extend", fail_at=1, error=KeyboardInterrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()  # `first` decodes inside the prefill of `second`
+    finally:
+        fault.remove()
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs[first].finish_reason == "error" and len(outs[first].token_ids) == 1
+    assert outs[second].finish_reason == "error"
+    assert not engine.has_unfinished() and engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
+    third = engine.generate([clean_prompt(5, seed=1)], params)[0]
+    assert third.finish_reason == "length" and len(third.token_ids) == 3
 
 
 def test_an_interrupted_generate_hands_its_requests_to_step(checkpoint):

@@ -1,11 +1,13 @@
 """What admitting a prompt costs the requests already decoding: the engine step that prefills one new
-prompt beside N decoding rows, with the extend step eager and compiled, against the decode step alone.
+prompt beside N decoding rows, against the decode step alone: the extend step eager, compiled, and
+compiled in a mixed step (the decoding rows inside the prefill's forward; the other two decode first,
+in a forward of their own).
 
     OMP_NUM_THREADS=1 python tools/bench_admission.py [--config tiny] [--prompt 64] [--decoding 7]
                                                       [--prefix-cache] [--repeats 3]
 
 Each measurement runs in a fresh process (one engine per process: a second engine in a process steps
-slower), eager and compiled in turns; each reports the median of 15 admissions and of 20 decode steps.
+slower), the three in turns; each reports the median of 15 admissions and of 20 decode steps.
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ import time
 from pathlib import Path
 
 
-def measure(path: str, prompt_len: int, decoding: int, prefix_cache: bool, compile_extend: bool) -> dict:
+def measure(path: str, prompt_len: int, decoding: int, prefix_cache: bool, compile_extend: bool,
+            mixed_steps: bool) -> dict:
     import torch
 
     from inkling_compiled.engine import Engine
     from inkling_compiled.sampling import SamplingParams
 
     engine = Engine.from_pretrained(path, max_batch_size=32, prefix_cache=prefix_cache, progress=False,
-                                    max_model_len=prompt_len + 100, compile_extend=compile_extend)
+                                    max_model_len=prompt_len + 100, compile_extend=compile_extend,
+                                    mixed_steps=mixed_steps)
     params = SamplingParams(max_new_tokens=90, temperature=0.0, ignore_eos=True)
+    # An admitted prompt ends with its first token, so every admission meets the same decoding rows (as a
+    # steady stream of arrivals and departures does), and a step's shape repeats.
+    arrival = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
 
     def prompt() -> list[int]:
@@ -47,7 +54,7 @@ def measure(path: str, prompt_len: int, decoding: int, prefix_cache: bool, compi
     decode = [timed() for _ in range(20)]
     admit = []
     for _ in range(15):
-        engine.add_request(prompt(), params)
+        engine.add_request(prompt(), arrival)
         admit.append(timed())
         engine.step()
     return {"decode_ms": 1e3 * statistics.median(decode), "admission_ms": 1e3 * statistics.median(admit)}
@@ -70,25 +77,27 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = str(build_tiny_checkpoint(Path(tmp) / args.config, args.config))
-        runs: dict[bool, list[dict]] = {False: [], True: []}
+        variants = {"eager": (False, False), "compiled": (True, False), "compiled, mixed": (True, True)}
+        runs: dict[str, list[dict]] = {name: [] for name in variants}
         for _ in range(args.repeats):
-            for compiled in (False, True):
+            for name, (compiled, mixed) in variants.items():
                 job = dict(path=path, prompt_len=args.prompt, decoding=args.decoding, prefix_cache=args.prefix_cache,
-                           compile_extend=compiled)
+                           compile_extend=compiled, mixed_steps=mixed)
                 done = subprocess.run([sys.executable, __file__, "--child", json.dumps(job)], capture_output=True,
                                       text=True, check=True)
-                runs[compiled].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"{args.config}: a {args.prompt}-token prompt admitted beside {args.decoding} decoding rows"
           f"{' (prefix cache on)' if args.prefix_cache else ''}; medians of {args.repeats} processes")
     print("| extend step | decode step alone ms | step with the admission ms | admission's extra ms |")
     print("|---|---|---|---|")
     extra = {}
-    for compiled in (False, True):
-        decode = statistics.median(r["decode_ms"] for r in runs[compiled])
-        admit = statistics.median(r["admission_ms"] for r in runs[compiled])
-        extra[compiled] = admit - decode
-        print(f"| {'compiled' if compiled else 'eager'} | {decode:.2f} | {admit:.2f} | {admit - decode:.2f} |")
-    print(f"compiled extend: the admission's extra time x{extra[False] / extra[True]:.2f} shorter")
+    for name in variants:
+        decode = statistics.median(r["decode_ms"] for r in runs[name])
+        admit = statistics.median(r["admission_ms"] for r in runs[name])
+        extra[name] = admit - decode
+        print(f"| {name} | {decode:.2f} | {admit:.2f} | {admit - decode:.2f} |")
+    print(f"compiled extend: the admission's extra time x{extra['eager'] / extra['compiled']:.2f} shorter; "
+          f"mixed: x{extra['compiled'] / extra['compiled, mixed']:.2f} shorter again")
 
 
 if __name__ == "__main__":

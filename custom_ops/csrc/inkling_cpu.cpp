@@ -850,6 +850,15 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(sliding ? ring_size > 0 : (page_size > 0 && bt.dim() == 2),
               "cached_extend_attention: a ring size (sliding) or a page size and block table (global) expected");
   std::vector<int64_t> history(std::max<int64_t>(rows, 0), 0);
+  const int32_t* pages32 = !sliding && bt.scalar_type() == at::kInt ? bt.data_ptr<int32_t>() : nullptr;
+  const int64_t* pages64 = sliding || pages32 ? nullptr : bt.data_ptr<int64_t>();
+  auto page_of = [&](int64_t i) { return pages32 ? int64_t{pages32[i]} : pages64[i]; };
+  // Rows of one token with a history (a running request's decode in a mixed step, a prompt's last
+  // token alone) attend as a decode row does, over the cache in place, once their key is written: packed
+  // with their history, a tile of such a row would use `group` of its lanes and read a gathered copy of
+  // every key it sees. Their packed rows below see only their own key, and are overwritten.
+  std::vector<int64_t> single_tokens, single_slots, single_positions;
+  const bool singles_allowed = (sliding || pages32) && rows <= static_cast<int64_t>(slots_v.size());
   bool any_history = false;
   for (int64_t b = 0; b < rows; ++b) {
     TORCH_CHECK(qs[b] <= qs[b + 1], "cached_extend_attention: query_start_loc decreases at row ", b);
@@ -859,15 +868,29 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
     TORCH_CHECK(sliding || pos[qs[b]] <= bt.size(1) * page_size, "cached_extend_attention: row ", b,
                 " starts at position ", pos[qs[b]], ", past the ", bt.size(1) * page_size, " its block table reaches");
     history[b] = sliding ? std::min(pos[qs[b]], window - 1) : pos[qs[b]];
+    if (singles_allowed && qs[b + 1] - qs[b] == 1 && history[b] > 0) {
+      const int64_t slot = slots[b], p = pos[qs[b]];
+      // every cache row the decode-style read will reach, checked as the gather below checks its own
+      if (sliding) {
+        TORCH_CHECK(slot >= 0 && (slot + 1) * ring_size <= cache_rows, "cached_extend_attention: row ", b,
+                    " (slot ", slot, ") reads a ring past the cache's ", cache_rows, " rows");
+      } else {
+        TORCH_CHECK(slot >= 0 && slot < bt.size(0), "cached_extend_attention: row ", b, " has no slot ", slot);
+        for (int64_t page = 0; page <= p / page_size; ++page) {
+          const int64_t at_page = page_of(slot * bt.size(1) + page) * page_size;
+          TORCH_CHECK(at_page >= 0 && at_page + page_size <= cache_rows, "cached_extend_attention: row ", b,
+                      " (slot ", slot, ") reads cache row ", at_page, " of ", cache_rows);
+        }
+      }
+      single_tokens.push_back(qs[b]), single_slots.push_back(slot), single_positions.push_back(p);
+      history[b] = 0;
+    }
     any_history = any_history || history[b] > 0;
   }
   at::Tensor keys = k, values = v;
   std::vector<int64_t> key_start_loc = qsl;
   if (any_history) {
     TORCH_CHECK(rows <= static_cast<int64_t>(slots_v.size()), "cached_extend_attention: one slot per row expected");
-    const int32_t* pages32 = !sliding && bt.scalar_type() == at::kInt ? bt.data_ptr<int32_t>() : nullptr;
-    const int64_t* pages64 = sliding || pages32 ? nullptr : bt.data_ptr<int64_t>();
-    auto page_of = [&](int64_t i) { return pages32 ? int64_t{pages32[i]} : pages64[i]; };
     int64_t* ks = key_start_loc.data();
     ks[0] = 0;
     for (int64_t b = 0; b < rows; ++b) ks[b + 1] = ks[b] + history[b] + qs[b + 1] - qs[b];
@@ -915,6 +938,21 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
   // refusals (heads, tau) leave the caches as they were.
   auto out = extend_attention_at(q, keys, values, table, tau, qsl, key_start_loc, window, rel_extent);
   kv_write(k_cache, v_cache, k, v, kv_locations);  // checks every location before it writes
+  if (!single_tokens.empty()) {
+    // After the write: a one-token row's own key is in the cache now, and its slot's ring lost only an
+    // entry outside the row's window (ring_size >= window).
+    const auto index = at::from_blob(single_tokens.data(), {static_cast<int64_t>(single_tokens.size())}, at::kLong);
+    std::optional<at::Tensor> single_tau;
+    if (tau.has_value()) single_tau = tau->index_select(0, index);
+    const auto single_q = q.index_select(0, index), single_table = table.index_select(0, index);
+    const auto single_out =
+        sliding ? decode_attention(single_q, k_cache, v_cache, single_table, single_tau, RingKeys{window, ring_size},
+                                   single_slots, single_positions, rel_extent, "cached_extend_attention")
+                : decode_attention(single_q, k_cache, v_cache, single_table, single_tau,
+                                   PagedKeys{pages32, bt.size(1), page_size}, single_slots, single_positions,
+                                   rel_extent, "cached_extend_attention");
+    out.index_copy_(0, index, single_out);
+  }
   return out;
 }
 
