@@ -364,14 +364,15 @@ class Engine:
             running = list(s.running)
             # A mixed step: the running requests decode inside the prefill's forward, which spares a forward
             # whenever a prompt arrives (or continues) while others decode.
-            if self.mixed_steps and s.can_mix(running, self.worker.step_tokens) \
-                    and self._forward(None, lambda: s.mixed_plans(running), stepped):
+            extended = self._forward(None, lambda: s.mixed_plans(running), stepped) \
+                if self.mixed_steps and s.can_mix(running, self.worker.step_tokens) else []
+            if extended and extended[0].decoding:
                 return self._advanced(stepped)
             if running:
                 self._forward(running, lambda: s.decode_plans(
                     running, self.drafter.propose(running) if self.drafter is not None else None), stepped)
-            # after the decode, so the slots it freed are reused at once
-            self._forward(None, s.extend_plans, stepped)
+            if not extended:  # after the decode, so the slots it freed are reused at once
+                self._forward(None, s.extend_plans, stepped)
         except BaseException:  # an interrupt: what finished in this step is delivered with the next one
             self._finished += [r for r in stepped if r.finish_reason is not None]
             raise
@@ -381,9 +382,9 @@ class Engine:
         advanced, self._finished = self._finished + stepped, []
         return list(dict.fromkeys(advanced))
 
-    def _forward(self, batch: list[Request] | None, plans_of, stepped: list[Request]) -> bool:
+    def _forward(self, batch: list[Request] | None, plans_of, stepped: list[Request]) -> list[StepPlan]:
         """One forward of the running requests (`batch`: a plan per bucket-sized piece) or of the prompts
-        being prefilled (one extend plan, mixed or not); whether there was one to run. Contained: if drafting, a forward or recording its tokens raises,
+        being prefilled (one extend plan, mixed or not); the plans it ran. Contained: if drafting, a forward or recording its tokens raises,
         the requests fail (their pool state may be half-written) and are freed, and the engine carries on.
         An interrupt (KeyboardInterrupt, SystemExit) fails them the same way, then propagates."""
         plans, reqs, error = [], list(batch or []), None
@@ -432,7 +433,7 @@ class Engine:
                 self._release(req)
         if error is not None and not isinstance(error, Exception):
             raise error
-        return bool(plans)
+        return plans
 
     def _execute(self, plan: StepPlan, reqs: list[Request]):
         try:

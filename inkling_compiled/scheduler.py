@@ -109,8 +109,9 @@ class Scheduler:
 
     def mixed_plans(self, running: list[Request]) -> list[StepPlan]:
         """One extend plan whose leading rows decode the running requests (their newest token each, at
-        its position), the prompt chunks after them; none if no prompt can be prefilled now (then the
-        running requests decode on their own)."""
+        its position), the prompt chunks after them; none if no prompt can be prefilled now. A plan
+        that resumes a prefix from host memory leaves them out (`decoding` 0). The running requests
+        decode on their own where the plan has no rows of theirs."""
         plan = self.extend_plan(running)
         return [plan] if plan is not None else []
 
@@ -137,6 +138,8 @@ class Scheduler:
             budget -= n
         if not chunks:
             return None
+        if self.cache.loading:  # a copy back from host memory that fails fails the forward: decoders stay out
+            decoding = ()
         d = len(decoding)  # rows before the prompts' (their tokens too: one each)
         reqs = [r for r, _ in chunks]
         planned = self.cache.plan_checkpoints(chunks)

@@ -622,7 +622,9 @@ def test_cached_extend_attention_refuses_a_history_outside_the_cache_by_name(win
 @pytest.mark.parametrize("window, edit, message", [
     (0, lambda a: a.__setitem__(11, a[11] + 1000), "reads cache row"),
     (0, lambda a: a.__setitem__(9, torch.tensor([3, 7], dtype=torch.int32)), "slot 7"),
-    (8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9")])
+    (8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9"),
+    # its own position one past what the block table reaches (its history within it): the next slot's page
+    (0, lambda a: a.__setitem__(8, torch.tensor([4, a[11].shape[1] * 4])), "has no page for position 12")])
 def test_cached_extend_attention_refuses_a_one_token_rows_history_outside_the_cache(window, edit, message):
     """Rows of one token with a history (a decode row in a mixed step) read the cache in place, as a
     decode step does: a block table or slot pointing past the cache is refused by name all the same,

@@ -388,6 +388,37 @@ def test_a_failed_host_load_fails_its_request_and_leaves_the_entries_on_the_host
     assert_cleared(engine)
 
 
+def test_a_failed_host_load_leaves_the_requests_decoding_beside_it_alone(checkpoint, hf_greedy, monkeypatch):
+    """A request that resumes a prefix from host memory is prefilled without the decoders' rows (no mixed
+    step): when its copy fails, it alone ends with an error, and a request decoding meanwhile goes on to
+    transformers' tokens."""
+    from inkling_compiled.cache.host_tier import HostLoad
+
+    engine = engine_for(checkpoint, "tiny", max_batch_size=2, num_pages=13, max_model_len=64, prefix_checkpoints=3,
+                        host_cache_bytes=2**20)
+    a, b, calm_prompt = random_prompt(33, seed=50), random_prompt(33, seed=51), random_prompt(5, seed=52)
+    engine.generate([a], PARAMS)
+    engine.generate([b], PARAMS)  # a's prefix goes to the host tier
+    calm = engine.add_request(calm_prompt, PARAMS)
+    engine.step()  # its prefill: it decodes from now on
+    copy_layer, failures = HostLoad.copy_layer, []
+
+    def failing_once(self, layer):
+        if layer == 1 and not failures:
+            failures.append(layer)
+            raise OSError("injected host copy failure")
+        copy_layer(self, layer)
+
+    monkeypatch.setattr(HostLoad, "copy_layer", failing_once)
+    doomed = engine.add_request(a[:30] + [3], PARAMS)
+    final = {}
+    while engine.has_unfinished():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert failures and final[doomed].finish_reason == "error"
+    assert_matches(hf_greedy, "tiny", calm_prompt, final[calm])
+    assert_no_leaks(engine)
+
+
 def test_eviction_goes_in_rounds_leaves_first():
     """Under a full pool the cache evicts the leaves there are, least recently used first, before the
     entries their eviction exposes: a parent used more recently than another leaf still goes after it."""

@@ -875,7 +875,9 @@ at::Tensor cached_extend_attention(const at::Tensor& q, const at::Tensor& k, con
         TORCH_CHECK(slot >= 0 && (slot + 1) * ring_size <= cache_rows, "cached_extend_attention: row ", b,
                     " (slot ", slot, ") reads a ring past the cache's ", cache_rows, " rows");
       } else {
-        TORCH_CHECK(slot >= 0 && slot < bt.size(0), "cached_extend_attention: row ", b, " has no slot ", slot);
+        // (its own position is read too: the block table must reach it, not only its history)
+        TORCH_CHECK(slot >= 0 && slot < bt.size(0) && p / page_size < bt.size(1), "cached_extend_attention: row ",
+                    b, " (slot ", slot, ") has no page for position ", p);
         for (int64_t page = 0; page <= p / page_size; ++page) {
           const int64_t at_page = page_of(slot * bt.size(1) + page) * page_size;
           TORCH_CHECK(at_page >= 0 && at_page + page_size <= cache_rows, "cached_extend_attention: row ", b,

@@ -127,6 +127,12 @@ class CacheManager:
             self.prefix.insert(req.prompt, (req.prefilled + n) // self.page_size, self.pool.pages_of[req.request_id],
                                dict(checkpoints))
 
+    @property
+    def loading(self) -> bool:
+        """Whether requests admitted since the last extend step resume from prefixes coming back from host
+        memory (that step's forward waits for them, and fails where a copy fails)."""
+        return bool(self._loads)
+
     @contextlib.contextmanager
     def host_loads(self):
         """Around an extend forward: cached prefixes coming back from the host tier are the pool's
