@@ -594,43 +594,33 @@ def test_cached_extend_attention_reads_the_history_the_cache_holds(kernel, windo
             assert not kept.all()  # the long chunk pushes its first keys out of the ring
 
 
-@pytest.mark.parametrize("window, edit, message", [
-    (0, lambda a: a.__setitem__(9, torch.tensor([3, 7], dtype=torch.int32)), "slot 7"),
-    (0, lambda a: a.__setitem__(11, a[11] + 1000), "reads cache row"),
-    (0, lambda a: a.__setitem__(11, a[11].long() + 2 ** 32), "reads cache row"),  # an int64 table is never narrowed
-    (8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9"),
-    (0, lambda a: a.__setitem__(7, torch.tensor([0, 2, 8], dtype=torch.int32)), "cover the chunk's 9 tokens"),
-    (0, lambda a: a.__setitem__(8, a[8] + 10 ** 12), "position 1000000000004, past the 16 its block table reaches"),
-    (8, lambda a: a.__setitem__(2, a[2][:2]), "k and v of one shape"),
-    (0, lambda a: a[10].__setitem__(4, a[3].shape[0]), "goes to cache row"),
-    (8, lambda a: a.__setitem__(6, torch.ones(3)), "one tau per query")])
-def test_cached_extend_attention_refuses_a_history_outside_the_cache_by_name(window, edit, message):
+# Rows of one token with a history (a decoding row in a mixed step) read the cache in place, as a decode
+# step does; the rest are gathered: [1, 1] and [3, 6] tokens over histories of 4 and 9.
+ONE_TOKEN, GATHERED = [1, 1], [3, 6]
+
+
+@pytest.mark.parametrize("chunks, window, edit, message", [
+    (GATHERED, 0, lambda a: a.__setitem__(9, torch.tensor([3, 7], dtype=torch.int32)), "slot 7"),
+    (GATHERED, 0, lambda a: a.__setitem__(11, a[11] + 1000), "reads cache row"),
+    (GATHERED, 0, lambda a: a.__setitem__(11, a[11].long() + 2 ** 32), "reads cache row"),  # int64: never narrowed
+    (GATHERED, 8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9"),
+    (GATHERED, 0, lambda a: a.__setitem__(7, torch.tensor([0, 2, 8], dtype=torch.int32)), "cover the chunk's 9 tokens"),
+    (GATHERED, 0, lambda a: a.__setitem__(8, a[8] + 10 ** 12), "position 1000000000004, past the 16 its block table reaches"),
+    (GATHERED, 8, lambda a: a.__setitem__(2, a[2][:2]), "k and v of one shape"),
+    (GATHERED, 0, lambda a: a[10].__setitem__(4, a[3].shape[0]), "goes to cache row"),
+    (GATHERED, 8, lambda a: a.__setitem__(6, torch.ones(3)), "one tau per query"),
+    (ONE_TOKEN, 0, lambda a: a.__setitem__(11, a[11] + 1000), "reads cache row"),
+    (ONE_TOKEN, 0, lambda a: a.__setitem__(9, torch.tensor([3, 7], dtype=torch.int32)), "slot 7"),
+    (ONE_TOKEN, 8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9"),
+    # its own position one past what the block table reaches (its history within it): the next slot's page
+    (ONE_TOKEN, 0, lambda a: a.__setitem__(8, torch.tensor([4, a[11].shape[1] * 4])), "has no page for position 12")])
+def test_cached_extend_attention_refuses_a_history_outside_the_cache_by_name(chunks, window, edit, message):
     """A row whose slot has no pages or ring, a block table pointing past the cache, start locations
     that miss the chunk, a position past what the block table reaches, values short of the keys, a key
     bound past the cache or a tau of the wrong length is an error naming it, not a read or write out of
     bounds; the chunk's keys are not written either."""
     g = torch.Generator().manual_seed(37)
-    args = cached_chunk_case(g, [3, 6], [4, 9], 2, 2, 8, window=window)["args"]
-    edit(args)
-    caches = [args[3].clone(), args[4].clone()]
-    with pytest.raises(RuntimeError, match=message):
-        torch.ops.inkling.cached_extend_attention(*args)
-    for cache, before in zip(args[3:5], caches):
-        torch.testing.assert_close(cache, before, rtol=0, atol=0, equal_nan=True)
-
-
-@pytest.mark.parametrize("window, edit, message", [
-    (0, lambda a: a.__setitem__(11, a[11] + 1000), "reads cache row"),
-    (0, lambda a: a.__setitem__(9, torch.tensor([3, 7], dtype=torch.int32)), "slot 7"),
-    (8, lambda a: a.__setitem__(9, torch.tensor([3, 9], dtype=torch.int32)), "slot 9"),
-    # its own position one past what the block table reaches (its history within it): the next slot's page
-    (0, lambda a: a.__setitem__(8, torch.tensor([4, a[11].shape[1] * 4])), "has no page for position 12")])
-def test_cached_extend_attention_refuses_a_one_token_rows_history_outside_the_cache(window, edit, message):
-    """Rows of one token with a history (a decode row in a mixed step) read the cache in place, as a
-    decode step does: a block table or slot pointing past the cache is refused by name all the same,
-    and nothing is written."""
-    g = torch.Generator().manual_seed(38)
-    args = cached_chunk_case(g, [1, 1], [4, 9], 2, 2, 8, window=window)["args"]
+    args = cached_chunk_case(g, chunks, [4, 9], 2, 2, 8, window=window)["args"]
     edit(args)
     caches = [args[3].clone(), args[4].clone()]
     with pytest.raises(RuntimeError, match=message):

@@ -358,17 +358,10 @@ def test_an_entry_too_big_for_the_host_tier_takes_its_host_children_along(checkp
     assert_cleared(engine)
 
 
-def test_a_failed_host_load_fails_its_request_and_leaves_the_entries_on_the_host(checkpoint, hf_greedy,
-                                                                                  monkeypatch):
-    """The background copy raises at layer 1: the request resuming from it ends with an error, the
-    half-loaded pages and checkpoint go back, and the next request loads the prefix again, correctly."""
+def fail_the_first_host_copy(monkeypatch) -> list[int]:
+    """The host tier's next copy back raises at layer 1 (once); the list records that it did."""
     from inkling_compiled.cache.host_tier import HostLoad
 
-    engine = engine_for(checkpoint, "tiny", max_batch_size=2, num_pages=13, max_model_len=64, prefix_checkpoints=3,
-                        host_cache_bytes=2**20)
-    a, b = random_prompt(33, seed=50), random_prompt(33, seed=51)
-    engine.generate([a], PARAMS)
-    engine.generate([b], PARAMS)
     copy_layer, failures = HostLoad.copy_layer, []
 
     def failing_once(self, layer):
@@ -378,6 +371,19 @@ def test_a_failed_host_load_fails_its_request_and_leaves_the_entries_on_the_host
         copy_layer(self, layer)
 
     monkeypatch.setattr(HostLoad, "copy_layer", failing_once)
+    return failures
+
+
+def test_a_failed_host_load_fails_its_request_and_leaves_the_entries_on_the_host(checkpoint, hf_greedy,
+                                                                                  monkeypatch):
+    """The background copy raises at layer 1: the request resuming from it ends with an error, the
+    half-loaded pages and checkpoint go back, and the next request loads the prefix again, correctly."""
+    engine = engine_for(checkpoint, "tiny", max_batch_size=2, num_pages=13, max_model_len=64, prefix_checkpoints=3,
+                        host_cache_bytes=2**20)
+    a, b = random_prompt(33, seed=50), random_prompt(33, seed=51)
+    engine.generate([a], PARAMS)
+    engine.generate([b], PARAMS)
+    fail_the_first_host_copy(monkeypatch)
     (failed,) = engine.generate([a[:30] + [3]], PARAMS)
     assert failed.finish_reason == "error" and "loading a cached prefix back from host memory" in failed.error
     prompt = a[:30] + [4, 5]
@@ -392,8 +398,6 @@ def test_a_failed_host_load_leaves_the_requests_decoding_beside_it_alone(checkpo
     """A request that resumes a prefix from host memory is prefilled without the decoders' rows (no mixed
     step): when its copy fails, it alone ends with an error, and a request decoding meanwhile goes on to
     transformers' tokens."""
-    from inkling_compiled.cache.host_tier import HostLoad
-
     engine = engine_for(checkpoint, "tiny", max_batch_size=2, num_pages=13, max_model_len=64, prefix_checkpoints=3,
                         host_cache_bytes=2**20)
     a, b, calm_prompt = random_prompt(33, seed=50), random_prompt(33, seed=51), random_prompt(5, seed=52)
@@ -401,15 +405,7 @@ def test_a_failed_host_load_leaves_the_requests_decoding_beside_it_alone(checkpo
     engine.generate([b], PARAMS)  # a's prefix goes to the host tier
     calm = engine.add_request(calm_prompt, PARAMS)
     engine.step()  # its prefill: it decodes from now on
-    copy_layer, failures = HostLoad.copy_layer, []
-
-    def failing_once(self, layer):
-        if layer == 1 and not failures:
-            failures.append(layer)
-            raise OSError("injected host copy failure")
-        copy_layer(self, layer)
-
-    monkeypatch.setattr(HostLoad, "copy_layer", failing_once)
+    failures = fail_the_first_host_copy(monkeypatch)
     doomed = engine.add_request(a[:30] + [3], PARAMS)
     final = {}
     while engine.has_unfinished():

@@ -142,8 +142,13 @@ def test_sampling_fields_the_step_cannot_represent_are_refused():
     SamplingParams(top_k=2**31 - 1, seed=2**64 - 1, max_new_tokens=2**31 - 1, top_p=1e-30)  # the edges pass
 
 
-def test_an_interrupt_in_the_prefill_keeps_the_decode_that_finished_before_it(checkpoint):
-    engine = make_engine(checkpoint, False, mixed_steps=False)  # the decode is a forward of its own
+@pytest.mark.parametrize("mixed", [False, True])
+def test_an_interrupt_in_the_prefill_fails_the_rows_of_its_forward_only(checkpoint, mixed):
+    """Unmixed, the decode is a forward of its own, before the prefill: the request it finished stays
+    finished (not decoded again). Mixed, it decodes inside the prefill's forward, and an interrupt there
+    fails every row (a decoding row's state is as half-written as a prompt's). Either way their slots
+    go back and the engine serves on."""
+    engine = make_engine(checkpoint, False, mixed_steps=mixed)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     first = engine.add_request(clean_prompt(5, seed=1), params)
     engine.step()  # prefill: token 1 of 2
@@ -151,35 +156,15 @@ def test_an_interrupt_in_the_prefill_keeps_the_decode_that_finished_before_it(ch
     fault = FaultyKernel("sconv_extend", fail_at=1, error=KeyboardInterrupt)
     try:
         with pytest.raises(KeyboardInterrupt):
-            engine.step()  # decodes `first` to its end, then the prefill of `second` is interrupted
+            engine.step()  # `first` decodes its last token, then (or in the same forward) `second` is interrupted
     finally:
         fault.remove()
     outs = {o.request_id: o for o in engine.step()}
-    assert (outs[first].finish_reason, len(outs[first].token_ids)) == ("length", 2)  # not decoded again
+    assert (outs[first].finish_reason, len(outs[first].token_ids)) == (("error", 1) if mixed else ("length", 2))
     assert outs[second].finish_reason == "error"
     assert not engine.has_unfinished() and engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
-
-
-def test_an_interrupt_in_a_mixed_step_fails_the_decoding_rows_it_carried(checkpoint):
-    """A mixed step's decode and prefill are one forward: an interrupt in it fails every row (a decoding
-    row's state is as half-written as a prompt's), frees their slots, and the engine serves on."""
-    engine = make_engine(checkpoint, False)
-    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    first = engine.add_request(clean_prompt(5, seed=1), params)
-    engine.step()  # prefill: token 1 of 3
-    second = engine.add_request(clean_prompt(6, seed=2), params)
-    fault = FaultyKernel("sconv_extend", fail_at=1, error=KeyboardInterrupt)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            engine.step()  # `first` decodes inside the prefill of `second`
-    finally:
-        fault.remove()
-    outs = {o.request_id: o for o in engine.step()}
-    assert outs[first].finish_reason == "error" and len(outs[first].token_ids) == 1
-    assert outs[second].finish_reason == "error"
-    assert not engine.has_unfinished() and engine.worker.pool.slots.num_free == engine.worker.pool.slots.capacity
-    third = engine.generate([clean_prompt(5, seed=1)], params)[0]
-    assert third.finish_reason == "length" and len(third.token_ids) == 3
+    (again,) = engine.generate([clean_prompt(5, seed=1)], params)
+    assert again.finish_reason == "length" and len(again.token_ids) == 2
 
 
 def test_an_interrupted_generate_hands_its_requests_to_step(checkpoint):
