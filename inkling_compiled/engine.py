@@ -364,8 +364,8 @@ class Engine:
             running = list(s.running)
             # A mixed step: the running requests decode inside the prefill's forward, which spares a forward
             # whenever a prompt arrives (or continues) while others decode.
-            extended = self._forward(None, lambda: s.mixed_plans(running), stepped) \
-                if self.mixed_steps and s.can_mix(running, self.worker.step_tokens) else []
+            extended = self._forward(None, lambda: s.extend_plans(running), stepped) \
+                if self.mixed_steps and s.can_mix(running) else []
             if extended and extended[0].decoding:
                 return self._advanced(stepped)
             if running:
@@ -384,9 +384,10 @@ class Engine:
 
     def _forward(self, batch: list[Request] | None, plans_of, stepped: list[Request]) -> list[StepPlan]:
         """One forward of the running requests (`batch`: a plan per bucket-sized piece) or of the prompts
-        being prefilled (one extend plan, mixed or not); the plans it ran. Contained: if drafting, a forward or recording its tokens raises,
-        the requests fail (their pool state may be half-written) and are freed, and the engine carries on.
-        An interrupt (KeyboardInterrupt, SystemExit) fails them the same way, then propagates."""
+        being prefilled (one extend plan, mixed or not); the plans it ran. Contained: if drafting, a forward
+        or recording its tokens raises, the requests fail (their pool state may be half-written) and are
+        freed, and the engine carries on. An interrupt (KeyboardInterrupt, SystemExit) fails them the same
+        way, then propagates."""
         plans, reqs, error = [], list(batch or []), None
         try:
             plans = plans_of()

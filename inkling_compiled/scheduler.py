@@ -8,7 +8,7 @@ no decoder's pace is at stake then, and longer chunks reach a first token sooner
 prefilled, then the first chunks of waiting requests admitted first come, first served (a free slot and
 the pages for their whole budget, from the cache manager). A request whose prompt is complete takes
 its first token from that forward and decodes from the next step on. A step with prompt work may instead
-be mixed (`mixed_plan`): the running requests' tokens lead the extend plan, one row each, and their decode
+be mixed (`can_mix`): the running requests' tokens lead the extend plan, one row each, and their decode
 rides in the prefill's forward rather than a decode forward of its own.
 
 It knows nothing of tensors: it reads `Sampled` host values and writes `StepPlan`s.
@@ -97,29 +97,22 @@ class Scheduler:
         return [self._plan(StepKind.DECODE, piece, [[r.output[-1]] for r in piece], [r.cached_len for r in piece])
                 for piece in self.buckets.split(batch)]
 
-    def extend_plans(self) -> list[StepPlan]:
-        plan = self.extend_plan()
+    def extend_plans(self, decoding: list[Request] = ()) -> list[StepPlan]:
+        plan = self.extend_plan(decoding)
         return [plan] if plan is not None else []
 
-    def can_mix(self, running: list[Request], step_tokens: int) -> bool:
-        """Whether this step may be mixed: requests decode, none speculates, prompt work waits, and the
-        running rows beside a full chunk fit the step's `step_tokens` (what its buffers hold)."""
-        return bool(running) and not self.draft_tokens and bool(self.prefilling or self.waiting) \
-            and len(running) + self.prefill_chunk_tokens <= step_tokens
-
-    def mixed_plans(self, running: list[Request]) -> list[StepPlan]:
-        """One extend plan whose leading rows decode the running requests (their newest token each, at
-        its position), the prompt chunks after them; none if no prompt can be prefilled now. A plan
-        that resumes a prefix from host memory leaves them out (`decoding` 0). The running requests
-        decode on their own where the plan has no rows of theirs."""
-        plan = self.extend_plan(running)
-        return [plan] if plan is not None else []
+    def can_mix(self, running: list[Request]) -> bool:
+        """Whether this step may be mixed: requests decode, none speculates, and prompt work waits (the step
+        buffers hold a token per slot beside the prompt budget, so the running rows always fit)."""
+        return bool(running) and not self.draft_tokens and bool(self.prefilling or self.waiting)
 
     def extend_plan(self, decoding: list[Request] = ()) -> StepPlan | None:
         """The prompt tokens to prefill now, within the step's budget (the idle one when nothing is
         running); None if there are none. Prompts already being prefilled continue, then waiting requests
         are admitted while a slot and the pages for their whole budget are free (a prefix-cache hit starts
-        past its cached tokens). `decoding`: running requests whose decode leads the plan (a mixed step)."""
+        past its cached tokens). `decoding`: running requests whose decode leads the plan, their newest
+        token each at its position (a mixed step), unless the plan resumes a prefix from host memory; they
+        decode on their own where the plan has no rows of theirs (`decoding` 0)."""
         chunks, budget = [], self.prefill_chunk_tokens if self.running else self.idle_prefill_tokens
         for req in self.prefilling:
             if budget == 0:

@@ -222,11 +222,6 @@ class Worker:
             self.ranks.check()
             self.ranks.channel.send(header, None if plan is None else msgspec.msgpack.encode(plan))
 
-    @property
-    def step_tokens(self) -> int:
-        """The most tokens one extend step holds (its metadata buffers' size)."""
-        return self.backend.buffers.max_tokens
-
     def execute(self, plan: StepPlan, to_host: bool = True) -> tuple[Sampled | None, torch.Tensor | None]:
         """Runs the plan's forward: (what it sampled, on the host, when any row takes a token; the hidden
         states, when the plan asks for them)."""
