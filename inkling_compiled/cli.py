@@ -411,6 +411,9 @@ def _profile(args: argparse.Namespace) -> int:
             print(f"{kind} per {UNIT[kind]} (us):", {k: round(v) for k, v in summary[PER_LAYER[kind]].items()})
     print("per conv stream (us):", {k: round(v) for k, v in summary["per_stream_us"].items()})
     print("prep vs compute (us):", {k: round(v) for k, v in summary["phases_us"].items()})
+    for kind, ops in summary["per_op_us"].items():
+        top = list(ops.items())[:8]
+        print(f"{kind} ops per forward (us, calls):", {k: (round(v["us"], 1), round(v["calls"], 1)) for k, v in top})
     print(f"wrote {out}/summary.png" if summary["png"] else "no summary.png: matplotlib is not installed")
     return 0
 

@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from bisect import bisect_left
 from collections import Counter, defaultdict, deque
 from pathlib import Path
 
@@ -154,10 +155,47 @@ def _step_kind(name: str) -> str | None:
     return None
 
 
+def per_op(events: list[dict], forwards: list[tuple[dict, str]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per step kind, each op's microseconds and calls per forward: the outermost `namespace::op` events
+    inside the kind's forwards (an op another op called counts in its caller), grouped by name without
+    the census label, largest first; `(outside ops)` is what the forwards spent around them (inductor's own
+    kernels, the graph's wrapper, the profiler's bookkeeping)."""
+    by_thread: dict = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "::" in str(e.get("name", "")):
+            by_thread[e.get("tid")].append(e)
+    for thread_ops in by_thread.values():
+        thread_ops.sort(key=lambda e: (e["ts"], -e["dur"]))  # a caller before the ops it calls
+    starts = {tid: [e["ts"] for e in thread_ops] for tid, thread_ops in by_thread.items()}
+    totals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    counts: Counter = Counter()
+    for forward, kind in forwards:
+        start, end = forward["ts"], forward["ts"] + forward["dur"]
+        counts[kind] += 1
+        inside = 0.0
+        covered = float("-inf")  # where the last outermost op ends
+        thread_ops = by_thread.get(forward.get("tid"), [])
+        for e in thread_ops[bisect_left(starts.get(forward.get("tid"), []), start):]:
+            if e["ts"] > end:
+                break
+            if e["ts"] < covered:
+                continue
+            name = str(e["name"]).split(" [", 1)[0]
+            totals[kind][name][0] += e["dur"]
+            totals[kind][name][1] += 1
+            inside += e["dur"]
+            covered = e["ts"] + e["dur"]
+        totals[kind]["(outside ops)"][0] += max(0.0, forward["dur"] - inside)
+    return {kind: {name: {"us": us / counts[kind], "calls": calls / counts[kind]}
+                   for name, (us, calls) in sorted(table.items(), key=lambda kv: -kv[1][0])}
+            for kind, table in totals.items()}
+
+
 def summarize(events: list[dict]) -> dict:
     """Total microseconds per layer of each step kind (a `layer L` range counts toward the step whose
-    forward holds it), per conv stream, and prep vs compute per step kind, inside the measured `profile`
-    range (the decode, verify and draft steps; prefill and warm-up are outside it)."""
+    forward holds it), per conv stream, prep vs compute per step kind, and each kind's ops per forward
+    (`per_op`), inside the measured `profile` range (the decode, verify and draft steps; prefill and
+    warm-up are outside it)."""
     per_layer: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     per_stream: dict[str, float] = defaultdict(float)
     phases: dict[str, float] = defaultdict(float)
@@ -187,7 +225,8 @@ def summarize(events: list[dict]) -> dict:
         return dict(sorted(per_layer[kind].items(), key=lambda kv: int(kv[0].split()[1])))
 
     summary = {PER_LAYER[kind]: ordered(kind) for kind in STEP_KINDS if kind == "decode" or per_layer[kind]}
-    return {**summary, "per_stream_us": dict(per_stream), "phases_us": dict(phases)}
+    return {**summary, "per_stream_us": dict(per_stream), "phases_us": dict(phases),
+            "per_op_us": per_op(measured, forwards)}
 
 
 def plot_summary(summary: dict, path: Path) -> bool:

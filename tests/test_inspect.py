@@ -189,8 +189,35 @@ def test_profile_writes_a_trace_with_layer_ranges(checkpoint, tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["per_stream_us"]) == {"k", "v", "attn", "mlp"}
     assert summary["phases_us"]["prepare"] > 0 and summary["phases_us"]["decode compute"] > 0
+    assert summary["per_op_us"]["decode"]["inkling::sconv_decode"]["calls"] == 4 * 4  # 4 layers x 4 streams
+    assert "decode ops per forward (us, calls):" in capsys.readouterr().out
     assert main(["profile", "--model", "m", "--nsys", "--out", str(tmp_path)]) == 0
     assert "--capture-range=nvtx --nvtx-capture=profile@inkling" in capsys.readouterr().out
+
+
+def test_profile_splits_each_forward_into_the_ops_it_called_itself():
+    """Per step kind, an op's time and calls per forward count only the outermost ops of that kind's
+    forwards on their own thread (an op's callee is inside its caller's time; the graph's `##` wrapper,
+    another thread's ops and ops outside the forwards are not ops of the forward), grouped without the
+    census label; what the forwards spent around their ops is `(outside ops)`."""
+    from inkling_compiled.profile import summarize
+
+    def x(name, ts, dur, tid=1):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [x("profile", 0, 10_000)]
+    for t0, linear_us in ((100, 10), (1_000, 30)):  # two decode replays of 100 us
+        events += [x("replay bucket 2 (2 rows)", t0, 100), x("## Call CompiledFxGraph ##", t0 + 1, 98),
+                   x("inkling::linear [layer 0]", t0 + 5, linear_us), x("aten::empty", t0 + 6, 2),
+                   x("inkling::sconv_decode [layer 0 k]", t0 + 50, 5), x("inkling::linear", t0 + 60, 4),
+                   x("inkling::linear", t0 + 20, 50, tid=2)]  # another thread
+    events += [x("verify replay bucket 2 (2 rows)", 3_000, 200), x("inkling::linear [layer 1]", 3_010, 80),
+               x("inkling::linear", 5_000, 7)]  # after every forward
+    ops = summarize(events)["per_op_us"]
+    assert ops["decode"] == {"(outside ops)": {"us": 100 - (20 + 5 + 4), "calls": 0.0},
+                             "inkling::linear": {"us": 20 + 4, "calls": 2.0},
+                             "inkling::sconv_decode": {"us": 5.0, "calls": 1.0}}
+    assert ops["verify"] == {"(outside ops)": {"us": 120.0, "calls": 0.0}, "inkling::linear": {"us": 80.0, "calls": 1.0}}
 
 
 def test_profile_labels_verify_and_draft_replays_from_their_own_census(checkpoint, tmp_path):
