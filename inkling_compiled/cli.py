@@ -299,8 +299,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         limits = Limits(max_body_bytes=args.max_body_bytes, max_stop_strings=args.max_stop_strings,
-                        max_stop_chars=args.max_stop_chars, header_timeout=args.header_timeout,
-                        body_timeout=args.body_timeout)
+                        max_stop_chars=args.max_stop_chars, max_header_bytes=args.max_header_bytes,
+                        header_timeout=args.header_timeout, body_timeout=args.body_timeout)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -691,6 +691,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stop strings and stop token ids per request")
     srv.add_argument("--max-stop-chars", type=positive_int, default=limits.max_stop_chars,
                      help="characters per stop string")
+    srv.add_argument("--max-header-bytes", type=positive_int, default=limits.max_header_bytes,
+                     help="largest request line and headers together (then 431 and closed)")
     srv.add_argument("--header-timeout", type=seconds, default=limits.header_timeout,
                      help="seconds a connection may take to send a request's headers (then 408 and closed)")
     srv.add_argument("--body-timeout", type=seconds, default=limits.body_timeout,

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -401,7 +402,8 @@ def test_a_client_that_disconnects_frees_its_slot(server):
 
 def test_sigterm_during_traffic_exits_cleanly(chat_checkpoint):
     """A request in flight when SIGTERM comes finishes; one that would outlast --shutdown-timeout ends with
-    finish_reason "abort" and [DONE]; the process exits 0. A completion without max_tokens takes
+    finish_reason "abort" and [DONE]; one still sending its body then gets a JSON 503 (it once waited for
+    uvicorn's own deadline 5 s later and got a plain-text 500); the process exits 0. A completion without max_tokens takes
     --max-new-tokens. (The long request's 1,900 tokens once took over 2 s on the eager tiny engine; with
     less host work a step they fit in 2 s on a quiet machine, hence a timeout well inside either.)"""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -422,10 +424,15 @@ def test_sigterm_during_traffic_exits_cleanly(chat_checkpoint):
         long = client.completions.create(model="tiny-chat", prompt="ho", max_tokens=1900, stream=True,
                                          extra_body={"ignore_eos": True})
         firsts = [next(iter(short)), next(iter(long))]
+        halfway = socket.create_connection(("127.0.0.1", port), timeout=30)  # still sending its body
+        halfway.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n\r\n{\"prompt\": \"hi\"")
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
         ends = [([firsts[0]] + list(short))[-1], ([firsts[1]] + list(long))[-1]]
         assert [e.choices[0].finish_reason for e in ends] == ["length", "abort"]
+        reply = b"".join(iter(lambda: halfway.recv(4096), b""))
+        assert reply.startswith(b"HTTP/1.1 503") and b"application/json" in reply, reply
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"].startswith("the server is shutting down")
         assert proc.wait(30) == 0 and time.monotonic() - started < 15
         assert "server stopped" in proc.stderr.read()
     finally:

@@ -154,6 +154,78 @@ def test_a_lone_surrogate_in_chat_content_or_the_model_name_is_a_json_4xx(server
     assert status == 200 and answer["usage"]["prompt_tokens"] == 4  # the emoji's 4 UTF-8 bytes
 
 
+def test_an_integer_longer_than_python_parses_is_a_json_400(server):
+    """msgspec refuses an integer of 5,000 digits and Python's own parser will not convert one: a 400
+    naming why, not a plain-text 500."""
+    for raw in (b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", b'{"prompt": [1' + b"0" * 5000 + b"]}"):
+        status, headers, answer = http(server, "POST", "/v1/completions", raw=raw)
+        assert status == 400 and "application/json" in headers["Content-Type"], answer
+        assert "the body is not JSON this server takes" in answer["error"]["message"]
+
+
+def test_a_chat_of_half_a_million_messages_is_checked_without_a_stall(server):
+    """An 8 MB chat body of 500,000 messages (within this server's limit) is refused as too long, and
+    /health answers meanwhile: a large body is parsed, checked and rendered off the event loop (its
+    messages' checks and template once held the loop for seconds)."""
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}] * 500_000}).encode()
+    with HealthProbe(server) as probe:
+        time.sleep(0.1)
+        status, _, answer = http(server, "POST", "/v1/chat/completions", raw=body)
+        time.sleep(0.1)
+    assert status == 400 and "too long" in answer["error"]["message"], answer
+    assert probe.worst < STALL_BOUND, probe.worst
+
+
+def test_a_long_answer_is_built_off_the_event_loop(server, monkeypatch):
+    """An answer of more than ANSWER_IN_THREAD_TOKENS tokens is built and encoded on a thread: here one
+    whose building takes 1 s of Python (as 32 answers of 2,000 tokens with 20 logprobs each did, finishing
+    in one step) leaves /health answering. (Built on the loop, it held it for that second.)"""
+    from inkling_compiled.server import app as app_module
+
+    real = app_module.Answer.whole
+
+    def slow(self):
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1.0:  # Python work, not a sleep: it holds the interpreter
+            pass
+        return real(self)
+
+    monkeypatch.setattr(app_module.Answer, "whole", slow)
+    tokens = app_module.ANSWER_IN_THREAD_TOKENS + 1
+    with HealthProbe(server) as probe:
+        status, _, answer = http(server, "POST", "/v1/completions",
+                                 {"prompt": "hi", "max_tokens": tokens, "ignore_eos": True, "logprobs": 2})
+        time.sleep(0.1)
+    assert status == 200 and answer["usage"]["completion_tokens"] == tokens
+    assert len(answer["choices"][0]["logprobs"]["tokens"]) == tokens
+    assert probe.worst < STALL_BOUND, probe.worst
+
+
+def test_an_endless_header_is_a_431_and_a_malformed_request_a_json_400(server):
+    """A header that never ends is cut off at max_header_bytes with a JSON 431 (the parser's cost grows
+    with the square of what it holds: 69 MB of one header once stalled every client for seconds before
+    its 408); a request that is not HTTP gets a JSON 400, not uvicorn's plain text."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: ")
+    with HealthProbe(server) as probe:
+        try:
+            for _ in range(64):  # 4 MB at most; the server closes after 64 KB
+                sock.sendall(b"a" * 65536)
+        except OSError:  # the server closed the connection
+            pass
+        reply = b"".join(iter(lambda: sock.recv(4096), b""))
+    assert reply.startswith(b"HTTP/1.1 431") and b"application/json" in reply, reply[:200]
+    assert b"larger than max_header_bytes=65536" in reply
+    assert probe.worst < STALL_BOUND, probe.worst
+    for request in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                    b"NOT HTTP AT ALL\r\n\r\n"):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(request)
+        reply = b"".join(iter(lambda: sock.recv(4096), b""))
+        assert reply.startswith(b"HTTP/1.1 400") and b"application/json" in reply, reply
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"].startswith("the request is not valid HTTP")
+
+
 @pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
                                  b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"], ids=["array", "field"])
 def test_deeply_nested_json_is_a_400_not_a_503(server, raw):
@@ -361,9 +433,22 @@ def test_bodies_over_the_limit_are_413_before_they_are_read(checkpoint):
         small.loop.engine.close()
 
 
+def test_every_length_field_is_checked_and_the_old_function_fields_refused(server):
+    """A chat body giving both length fields has both checked (a bad max_tokens beside a good
+    max_completion_tokens was once ignored); `functions` and `function_call`, the API's older tool
+    fields, are refused by name as `tools` is."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    status, _, answer = http(server, "POST", "/v1/chat/completions", {**chat, "max_completion_tokens": 4, "max_tokens": "a"})
+    assert status == 400 and "max_tokens must be an integer" in answer["error"]["message"], answer
+    for field, value in (("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto")):
+        status, _, answer = http(server, "POST", "/v1/chat/completions", {**chat, field: value})
+        assert status == 400 and f"{field}={value!r} is not supported" in answer["error"]["message"], answer
+
+
 def test_head_health_and_the_pages_cached_gauge(server):
     status, _, _ = http(server, "HEAD", "/health")
     assert status == 200
+    assert http(server, "HEAD", "/metrics")[0] == 200
     server.loop.engine.clear_prefix_cache()
     wait_for(lambda: metric(server, "pages_cached") == 0)
     http(server, "POST", "/v1/completions", {"prompt": [9] * 40, "max_tokens": 2})
@@ -372,7 +457,7 @@ def test_head_health_and_the_pages_cached_gauge(server):
 
 
 def test_limits_refuse_nonsense():
-    for bad in (dict(max_body_bytes=0), dict(max_stop_strings=-1), dict(header_timeout=float("nan")),
+    for bad in (dict(max_body_bytes=0), dict(max_stop_strings=-1), dict(max_header_bytes=0), dict(header_timeout=float("nan")),
                 dict(body_timeout=0), dict(header_timeout=float("inf"))):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Limits(**bad)

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import InklingError, RequestError
 from ..requests import RequestOutput, prompt_ids
-from .body import BodyTimeout, BodyTooLarge, Limits, parse_json, read_body
+from .body import BodyTimeout, BodyTooLarge, Closing, Limits, ServerClosing, parse_json, read_body
 from .chat import ChatTemplate, checked_messages
 from .loop import STEP_BUCKETS, Frontend, QueueFull
 from .protocol import (Job, Rules, chat_job, chat_logprobs, check_room, completion_job, completion_logprobs,
@@ -32,7 +32,12 @@ from .protocol import (Job, Rules, chat_job, chat_logprobs, check_room, completi
                        envelope, error_body, finish_reason, usage)
 from .text import TextStream
 
-TOKENIZE_IN_THREAD_CHARS = 4096  # text prompts longer than this are tokenized off the event loop
+# Work that grows with what a client sends or asks for runs off the event loop past these sizes (on a
+# thread, which hands the interpreter back to the loop every few milliseconds), so that one large body
+# or answer never holds up the other clients: a body is parsed, checked (a chat's messages rendered)
+# and tokenized; an answer (logprobs for each of its tokens) is built and encoded.
+CHECK_IN_THREAD_BYTES = 4096
+ANSWER_IN_THREAD_TOKENS = 256
 
 
 class ErrorResponse(JSONResponse):
@@ -44,8 +49,10 @@ class ErrorResponse(JSONResponse):
 
 
 def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | None = None,
-              default_max_tokens: int = 16, limits: Limits = Limits()) -> FastAPI:
-    """`default_max_tokens`: a completion's length when the body gives none (the API's default is 16)."""
+              default_max_tokens: int = 16, limits: Limits = Limits(), closing: Closing | None = None) -> FastAPI:
+    """`default_max_tokens`: a completion's length when the body gives none (the API's default is 16).
+    `closing`: set when a shutting-down server stops waiting; requests still reading their bodies get a 503."""
+    closing = closing or Closing()
     tokenizer = loop.tokenizer
     if tokenizer is None:
         raise ValueError("serving needs the checkpoint's tokenizer.json (responses are text)")
@@ -72,19 +79,21 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
                                "use /v1/completions with a prompt")
         return chat_template.render(checked_messages(messages))
 
-    async def token_ids(job: Job) -> list[int]:
-        if isinstance(job.prompt, str) and len(job.prompt) > TOKENIZE_IN_THREAD_CHARS:
-            return await asyncio.to_thread(prompt_ids, job.prompt, tokenizer)
-        return prompt_ids(job.prompt, tokenizer)
+    def checked(raw: bytes, make_job) -> tuple[Job, list[int]]:
+        body = parse_json(raw)
+        check_model(body)
+        job = make_job(body)
+        return job, prompt_ids(job.prompt, tokenizer)
 
     async def admit(request: Request, make_job):
         """(the checked job, its subscription), or the error response that refuses it."""
         job = None
         try:
-            body = parse_json(await read_body(request, limits))
-            check_model(body)
-            job: Job = make_job(body)
-            ids = await token_ids(job)
+            raw = await read_body(request, limits, closing)
+            if len(raw) > CHECK_IN_THREAD_BYTES:
+                job, ids = await asyncio.to_thread(checked, raw, make_job)
+            else:
+                job, ids = checked(raw, make_job)
             check_room(job, len(ids), max_model_len)
             return job, await loop.submit(ids, job.params)
         except RequestError as e:  # the engine's checks name its own field; the client sent the API's
@@ -94,6 +103,8 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
             return None, error(413, str(e), headers={"Connection": "close"})
         except BodyTimeout as e:
             return None, error(408, str(e), headers={"Connection": "close"})
+        except ServerClosing as e:
+            return None, error(503, str(e), "server_error", headers={"Connection": "close"})
         except LookupError as e:
             return None, error(404, str(e), "not_found_error")
         except QueueFull as e:
@@ -129,7 +140,9 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
             loop.abort(sub, reason="stop")
         if item.finish_reason == "error":
             return error(500, f"the engine failed this request: {item.error}", "server_error")
-        return JSONResponse(answer.whole())
+        if len(item.token_ids) + (len(item.prompt_token_ids) if job.echo else 0) > ANSWER_IN_THREAD_TOKENS:
+            return Response(await asyncio.to_thread(answer.encoded), media_type="application/json")
+        return Response(answer.encoded(), media_type="application/json")
 
     async def stream_events(sub, answer: "Answer"):
         """The stream's events, one per output that brought tokens. Whatever has arrived when the handler
@@ -181,7 +194,7 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
             return error(503, loop.failure, "server_error")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         try:
             text = await asyncio.to_thread(prometheus, loop)  # the engine's state waits for a step in progress
@@ -355,6 +368,9 @@ class Answer:
                         {**choice, "logprobs": logprobs, "finish_reason": reason}, chunk=False)
         body["usage"] = usage(self.out, self.completion_tokens())
         return body
+
+    def encoded(self) -> bytes:
+        return _json.encode(self.whole())
 
     def usage_chunk(self) -> dict:
         body = envelope(self.job, self.request_id, self.model, {}, chunk=True)

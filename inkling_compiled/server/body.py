@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import msgspec
 
@@ -26,11 +27,12 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = 8 * 1024 * 1024
     max_stop_strings: int = 16  # stop strings per request
     max_stop_chars: int = 256  # characters per stop string
+    max_header_bytes: int = 64 * 1024  # a request line and headers together
     header_timeout: float = 10.0  # seconds from connecting (or the last response) to a request's whole headers
     body_timeout: float = 30.0  # seconds from the headers to the whole body
 
     def __post_init__(self):
-        for name in ("max_body_bytes", "max_stop_strings", "max_stop_chars"):
+        for name in ("max_body_bytes", "max_stop_strings", "max_stop_chars", "max_header_bytes"):
             option_int(name, getattr(self, name))
         for name in ("header_timeout", "body_timeout"):
             value = getattr(self, name)
@@ -46,8 +48,41 @@ class BodyTimeout(Exception):
     """The body did not arrive within `body_timeout` (408)."""
 
 
-async def read_body(request, limits: Limits) -> bytes:
-    """The request's body, refused once it is known to be too large or too slow."""
+class ServerClosing(Exception):
+    """The server stopped waiting for requests in flight while this one was still sending its body (503)."""
+
+
+class Closing:
+    """Set, from any thread, when a shutting-down server stops waiting for the requests in flight: a
+    request still reading its body then stops waiting for the rest of it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._set = False
+        self._waiters: set[asyncio.Future] = set()
+
+    def set(self) -> None:
+        with self._lock:
+            self._set = True
+            waiters, self._waiters = self._waiters, set()
+        for waiter in waiters:
+            waiter.get_loop().call_soon_threadsafe(lambda w=waiter: w.done() or w.set_result(None))
+
+    async def wait(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._set:
+                return
+            self._waiters.add(waiter)
+        try:
+            await waiter
+        finally:
+            with self._lock:
+                self._waiters.discard(waiter)
+
+
+async def read_body(request, limits: Limits, closing: Closing) -> bytes:
+    """The request's body, refused once it is known to be too large or too slow, or once `closing` is set."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise BodyTooLarge(f"the body of {int(declared)} bytes is larger than max_body_bytes={limits.max_body_bytes}")
@@ -61,10 +96,18 @@ async def read_body(request, limits: Limits) -> bytes:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    reading, stopping = asyncio.ensure_future(read()), asyncio.ensure_future(closing.wait())
     try:
-        return await asyncio.wait_for(read(), timeout=limits.body_timeout)
-    except asyncio.TimeoutError:
-        raise BodyTimeout(f"the body did not arrive within {limits.body_timeout:g} s") from None
+        await asyncio.wait((reading, stopping), timeout=limits.body_timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not reading.done():
+            reading.cancel()
+    if reading.done():
+        return reading.result()  # (raises BodyTooLarge, or what reading raised)
+    if stopping.done() and not stopping.cancelled():
+        raise ServerClosing("the server is shutting down: the rest of the body was not read")
+    raise BodyTimeout(f"the body did not arrive within {limits.body_timeout:g} s")
 
 
 def parse_json(raw: bytes):
@@ -81,3 +124,5 @@ def parse_json(raw: bytes):
         raise RequestError("the body is nested too deeply to parse") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the body is not valid JSON: {e}") from None
+    except ValueError as e:  # valid JSON the standard library will not take: an integer of over 4,300 digits
+        raise RequestError(f"the body is not JSON this server takes: {e}") from None

@@ -60,7 +60,7 @@ def checked_text(value: str, field: str) -> str:
 _UNSUPPORTED = {  # field -> the values that are fine (the API's defaults)
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-    "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
 }
 
 
@@ -156,12 +156,10 @@ def _prompt(body: dict, max_model_len: int, vocab_size: int) -> str | list[int]:
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, low: int = 1
                 ) -> tuple[int | None, str | None]:
-    """(the length the body asks for, or `default`; the field that asked, if one did)."""
-    for name in names:
-        value = _number(body, name, None, integer=True, low=low, high=MAX_COUNT)
-        if value is not None:
-            return value, name
-    return default, None
+    """(the length the body asks for, or `default`; the field that asked, if one did). Every one of
+    `names` the body gives is checked, the first one given decides."""
+    given = [(name, _number(body, name, None, integer=True, low=low, high=MAX_COUNT)) for name in names]
+    return next(((value, name) for name, value in given if value is not None), (default, None))
 
 
 def _sampling(body: dict, max_tokens: int, stop_ids: list[int], top_logprobs: int | None,

@@ -6,12 +6,14 @@ the connection (or the end of the last response) to a request's whole headers, `
 seconds, then the connection closes (with a 408 if part of a request had come). The body's deadline is the app's (`body.read_body`).
 
 Shutdown is graceful: on SIGINT or SIGTERM uvicorn stops accepting connections and waits up to
-`shutdown_timeout` seconds for the requests in flight, which the engine loop keeps serving; whatever is
-left then is cancelled, and each cancelled stream aborts its request. The process then exits with 0.
+`shutdown_timeout` seconds for the requests in flight, which the engine loop keeps serving; then the
+engine's requests are aborted (each answers "abort") and a request still sending its body gets a 503
+(`body.Closing`). The process then exits with 0.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import threading
@@ -20,20 +22,33 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from .app import build_app
-from .body import Limits
+from .body import Closing, Limits
 from .chat import ChatTemplate
 from .loop import EngineLoop, Frontend
+from .protocol import error_body
 
 _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
-def _with_header_deadline(protocol: type, header_timeout: float) -> type:
+def closing_json_error(status: str, message: str) -> bytes:
+    """A whole HTTP response carrying the API's JSON error object, for the protocol to write before it
+    closes the connection (no request reached the app: its headers were too long or did not parse)."""
+    body = json.dumps(error_body(message), ensure_ascii=True).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
+
+
+def _with_header_deadline(protocol: type, header_timeout: float, max_header_bytes: int) -> type:
     """uvicorn's HTTP protocol (httptools or h11; both make `self.cycle` when a request's headers are
-    complete), closing a connection whose next request's headers take longer than `header_timeout`."""
+    complete), closing a connection whose next request's headers take longer than `header_timeout` or
+    pass `max_header_bytes` (a 431: the parser appends a header it has not seen the end of to what it
+    holds, so an endless one would cost it time that grows with its square), and answering a request it
+    cannot parse with a JSON 400."""
 
     class HeaderDeadline(protocol):
         _deadline = None
         _started = False  # bytes of the next request have come (a 408 then says why it closes)
+        _header_bytes = 0  # bytes received since the last request's headers were complete
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -41,9 +56,24 @@ def _with_header_deadline(protocol: type, header_timeout: float) -> type:
 
         def data_received(self, data: bytes) -> None:
             self._started = True
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting:
+                self._header_bytes += len(data)
             super().data_received(data)
             if self.cycle is not None and not self.cycle.response_complete:
                 self._disarm()
+                self._header_bytes = 0
+            elif waiting and self._header_bytes > max_header_bytes and not self.transport.is_closing():
+                self._disarm()
+                self.transport.write(closing_json_error(
+                    "431 Request Header Fields Too Large",
+                    f"the request line and headers are larger than max_header_bytes={max_header_bytes}"))
+                self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:
+            self._disarm()
+            self.transport.write(closing_json_error("400 Bad Request", f"the request is not valid HTTP/1.1: {msg}"))
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -56,6 +86,7 @@ def _with_header_deadline(protocol: type, header_timeout: float) -> type:
         def _arm(self) -> None:
             self._disarm()
             self._started = False
+            self._header_bytes = 0
             self._deadline = self.loop.call_later(header_timeout, self._expire)
 
         def _disarm(self) -> None:
@@ -109,10 +140,12 @@ class ApiServer:
         (host, port) once started."""
         self.host, self.port, self.shutdown_timeout = host, port, shutdown_timeout
         self.loop = engine if isinstance(engine, Frontend) else EngineLoop(engine, max_waiting)
-        self.app = build_app(self.loop, model_name, chat_template, default_max_tokens, limits)
+        self.closing = Closing()
+        self.app = build_app(self.loop, model_name, chat_template, default_max_tokens, limits, self.closing)
         # uvicorn's own deadline comes later than ours: by then every request has answered with "abort".
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
-                                http=_with_header_deadline(AutoHTTPProtocol, limits.header_timeout),
+                                http=_with_header_deadline(AutoHTTPProtocol, limits.header_timeout,
+                                                           limits.max_header_bytes),
                                 timeout_graceful_shutdown=shutdown_timeout + 5)
         self.uvicorn = _Uvicorn(config, self._shutting_down)
         self._deadline: threading.Timer | None = None
@@ -124,9 +157,15 @@ class ApiServer:
     def _shutting_down(self) -> None:
         """A signal came: requests in flight get `shutdown_timeout` seconds, then are aborted."""
         if self._deadline is None:
-            self._deadline = threading.Timer(self.shutdown_timeout, self.loop.abort_all)
+            self._deadline = threading.Timer(self.shutdown_timeout, self._stop_waiting)
             self._deadline.daemon = True
             self._deadline.start()
+
+    def _stop_waiting(self) -> None:
+        """The shutdown's deadline: requests in the engine are aborted (each answers "abort"), and those
+        still sending their bodies get a 503."""
+        self.loop.abort_all()
+        self.closing.set()
 
     def bind(self) -> int:
         """Listens on (host, port) now, a free port when port is 0; returns the port."""
