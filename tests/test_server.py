@@ -426,6 +426,7 @@ def test_sigterm_during_traffic_exits_cleanly(chat_checkpoint):
         firsts = [next(iter(short)), next(iter(long))]
         halfway = socket.create_connection(("127.0.0.1", port), timeout=30)  # still sending its body
         halfway.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 40\r\n\r\n{\"prompt\": \"hi\"")
+        time.sleep(0.3)  # its headers taken in before the signal
         proc.send_signal(signal.SIGTERM)
         started = time.monotonic()
         ends = [([firsts[0]] + list(short))[-1], ([firsts[1]] + list(long))[-1]]

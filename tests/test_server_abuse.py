@@ -65,6 +65,18 @@ def open_stream(port: int, body: dict) -> socket.socket:
     return sock
 
 
+def read_until_closed(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (a reset, where it closed with bytes of ours
+    unread, is a close too); a socket timeout if it does not."""
+    data = b""
+    try:
+        while more := sock.recv(65536):
+            data += more
+    except ConnectionResetError:
+        pass
+    return data
+
+
 def slow_steps(engine, monkeypatch, seconds: float):
     """Each forward takes `seconds` longer (a sleep, which lets the interpreter go as a kernel does): the
     engine of a model much larger than tiny."""
@@ -164,7 +176,7 @@ def test_an_integer_longer_than_python_parses_is_a_json_400(server):
 
 
 def test_a_chat_of_half_a_million_messages_is_checked_without_a_stall(server):
-    """An 8 MB chat body of 500,000 messages (within this server's limit) is refused as too long, and
+    """A 17 MB chat body of 500,000 messages (within this server's 64 MiB limit) is refused as too long, and
     /health answers meanwhile: a large body is parsed, checked and rendered off the event loop (its
     messages' checks and template once held the loop for seconds)."""
     body = json.dumps({"messages": [{"role": "user", "content": "x"}] * 500_000}).encode()
@@ -213,15 +225,43 @@ def test_an_endless_header_is_a_431_and_a_malformed_request_a_json_400(server):
                 sock.sendall(b"a" * 65536)
         except OSError:  # the server closed the connection
             pass
-        reply = b"".join(iter(lambda: sock.recv(4096), b""))
+        reply = read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 431") and b"application/json" in reply, reply[:200]
     assert b"larger than max_header_bytes=65536" in reply
     assert probe.worst < STALL_BOUND, probe.worst
+    # behind a request in flight on the same connection, an endless header closes the connection
+    # (which aborts that request) instead of growing while the request runs
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    body = json.dumps({"prompt": "hi", "max_tokens": 2000, "ignore_eos": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(0.2)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: ")
+    try:
+        for _ in range(16):  # 1 MB, then nothing more
+            sock.sendall(b"a" * 65536)
+    except OSError:
+        pass
+    sock.settimeout(5)
+    assert read_until_closed(sock).count(b"HTTP/1.1 ") <= 1  # closed, not after the 2,000 tokens
+    wait_for(lambda: metric(server, "requests_running") == 0)
+    # a body the app answers without reading (an unknown route) is still body, not the next headers:
+    # one response, and the connection serves the next request
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Length: 300000\r\n\r\n" + b"x" * 300_000)
+    time.sleep(0.3)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    replies = b""
+    while replies.count(b"HTTP/1.1 ") < 2 or not replies.endswith(b"}"):
+        more = sock.recv(65536)
+        if not more:  # closed
+            break
+        replies += more
+    assert replies.startswith(b"HTTP/1.1 404") and b"HTTP/1.1 200" in replies and b"431" not in replies, replies
     for request in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
                     b"NOT HTTP AT ALL\r\n\r\n"):
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
         sock.sendall(request)
-        reply = b"".join(iter(lambda: sock.recv(4096), b""))
+        reply = read_until_closed(sock)
         assert reply.startswith(b"HTTP/1.1 400") and b"application/json" in reply, reply
         assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["message"].startswith("the request is not valid HTTP")
 
@@ -536,6 +576,34 @@ def test_the_engines_own_refusals_name_the_api_field(checkpoint):
     finally:
         small.stop()
         small.loop.engine.close()
+
+
+def test_a_client_that_leaves_while_sending_its_body_logs_no_error(server, caplog):
+    """A client that hangs up halfway through its body is a disconnect like any other: no traceback of
+    an unhandled exception in the server's log, and the server serves on."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    time.sleep(0.2)
+    sock.close()
+    time.sleep(0.3)
+    assert http(server, "GET", "/health")[0] == 200
+    assert not [r for r in caplog.records if "Exception in ASGI application" in r.getMessage()]
+
+
+def test_a_request_reaching_the_engine_after_the_shutdown_deadline_is_aborted(checkpoint):
+    """Once the shutdown's deadline has passed (`closing` set, then every request in the engine aborted),
+    a request whose body was still being checked reaches the engine afterwards: it is aborted at once,
+    as the others were, rather than left running until uvicorn cancels it."""
+    server = start(checkpoint("tiny"))
+    try:
+        server.closing.set()
+        status, _, answer = http(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 200, "ignore_eos": True})
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "abort", answer
+        assert answer["usage"]["completion_tokens"] < 200
+        wait_for(lambda: metric(server, "requests_running") == 0)
+    finally:
+        server.stop()
+        server.loop.engine.close()
 
 
 def test_a_stream_whose_client_leaves_before_its_first_event_is_aborted(server, monkeypatch):

@@ -21,6 +21,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import InklingError, RequestError
 from ..requests import RequestOutput, prompt_ids
@@ -95,7 +96,12 @@ def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | Non
             else:
                 job, ids = checked(raw, make_job)
             check_room(job, len(ids), max_model_len)
-            return job, await loop.submit(ids, job.params)
+            sub = await loop.submit(ids, job.params)
+            if closing.is_set:  # it came past the shutdown's abort_all: every request ends, this one too
+                loop.abort_all()
+            return job, sub
+        except ClientDisconnect:  # the client left while sending its body: nobody reads an answer
+            return None, Response(status_code=499)
         except RequestError as e:  # the engine's checks name its own field; the client sent the API's
             field = (job.max_tokens_field if job is not None else None) or "max_tokens"
             return None, error(400, str(e).replace("max_new_tokens", field))

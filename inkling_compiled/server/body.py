@@ -61,6 +61,10 @@ class Closing:
         self._set = False
         self._waiters: set[asyncio.Future] = set()
 
+    @property
+    def is_set(self) -> bool:
+        return self._set
+
     def set(self) -> None:
         with self._lock:
             self._set = True
@@ -103,6 +107,8 @@ async def read_body(request, limits: Limits, closing: Closing) -> bytes:
         stopping.cancel()
         if not reading.done():
             reading.cancel()
+        # Whatever reading ends with is retrieved, even when this handler is cancelled meanwhile.
+        reading.add_done_callback(lambda task: task.cancelled() or task.exception())
     if reading.done():
         return reading.result()  # (raises BodyTooLarge, or what reading raised)
     if stopping.done() and not stopping.cancelled():

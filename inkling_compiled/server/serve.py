@@ -33,42 +33,59 @@ _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection
 def closing_json_error(status: str, message: str) -> bytes:
     """A whole HTTP response carrying the API's JSON error object, for the protocol to write before it
     closes the connection (no request reached the app: its headers were too long or did not parse)."""
-    body = json.dumps(error_body(message), ensure_ascii=True).encode()
+    body = json.dumps(error_body(message), ensure_ascii=True, separators=(",", ":")).encode()
     return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode() + body
 
 
 def _with_header_deadline(protocol: type, header_timeout: float, max_header_bytes: int) -> type:
     """uvicorn's HTTP protocol (httptools or h11; both make `self.cycle` when a request's headers are
-    complete), closing a connection whose next request's headers take longer than `header_timeout` or
-    pass `max_header_bytes` (a 431: the parser appends a header it has not seen the end of to what it
-    holds, so an endless one would cost it time that grows with its square), and answering a request it
-    cannot parse with a JSON 400."""
+    complete), closing a connection whose next request's headers take longer than `header_timeout`, and
+    answering a request it cannot parse with a JSON 400. With httptools, a request whose headers pass
+    `max_header_bytes` is a JSON 431 (the parser appends a header it has not seen the end of to what it
+    holds, so an endless one costs it time that grows with its square): the bytes that arrive while a
+    request's headers are unfinished are counted, from the read after the one that began it (the bytes
+    of one read before them may be the last request's body), so the bound holds within one read. (h11
+    has its own bound, which uvicorn's config sets to the same number: a 400.)"""
 
     class HeaderDeadline(protocol):
         _deadline = None
         _started = False  # bytes of the next request have come (a 408 then says why it closes)
-        _header_bytes = 0  # bytes received since the last request's headers were complete
+        _in_headers = False  # a request has begun and its headers are not complete (httptools' callbacks)
+        _header_bytes = 0  # bytes read since then, less the read that began it
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_headers, self._header_bytes = True, 0
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            super().on_headers_complete()
+
         def data_received(self, data: bytes) -> None:
             self._started = True
-            waiting = self.cycle is None or self.cycle.response_complete
-            if waiting:
-                self._header_bytes += len(data)
+            counted = self._in_headers  # a read that begins a request is not counted
             super().data_received(data)
             if self.cycle is not None and not self.cycle.response_complete:
                 self._disarm()
-                self._header_bytes = 0
-            elif waiting and self._header_bytes > max_header_bytes and not self.transport.is_closing():
-                self._disarm()
+            if counted and self._in_headers:
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes and not self.transport.is_closing():
+                    self._too_long()
+
+        def _too_long(self) -> None:
+            """The 431, unless a response on this connection is still being written (a pipelined request
+            behind it): then the connection just closes, which aborts that response's request too."""
+            self._disarm()
+            if self.cycle is None or self.cycle.response_complete:
                 self.transport.write(closing_json_error(
                     "431 Request Header Fields Too Large",
                     f"the request line and headers are larger than max_header_bytes={max_header_bytes}"))
-                self.transport.close()
+            self.transport.close()
 
         def send_400_response(self, msg: str) -> None:
             self._disarm()
@@ -86,7 +103,6 @@ def _with_header_deadline(protocol: type, header_timeout: float, max_header_byte
         def _arm(self) -> None:
             self._disarm()
             self._started = False
-            self._header_bytes = 0
             self._deadline = self.loop.call_later(header_timeout, self._expire)
 
         def _disarm(self) -> None:
@@ -146,6 +162,7 @@ class ApiServer:
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
                                 http=_with_header_deadline(AutoHTTPProtocol, limits.header_timeout,
                                                            limits.max_header_bytes),
+                                h11_max_incomplete_event_size=limits.max_header_bytes,
                                 timeout_graceful_shutdown=shutdown_timeout + 5)
         self.uvicorn = _Uvicorn(config, self._shutting_down)
         self._deadline: threading.Timer | None = None
@@ -162,10 +179,11 @@ class ApiServer:
             self._deadline.start()
 
     def _stop_waiting(self) -> None:
-        """The shutdown's deadline: requests in the engine are aborted (each answers "abort"), and those
-        still sending their bodies get a 503."""
-        self.loop.abort_all()
+        """The shutdown's deadline: requests still sending their bodies get a 503, and those in the engine
+        are aborted (each answers "abort"). `closing` is set first: a request that reaches the engine
+        after `abort_all` finds it set and aborts itself (`app.admit`)."""
         self.closing.set()
+        self.loop.abort_all()
 
     def bind(self) -> int:
         """Listens on (host, port) now, a free port when port is 0; returns the port."""
