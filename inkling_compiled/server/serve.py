@@ -1,9 +1,11 @@
 """Running the app: uvicorn in the foreground (the CLI) or on a thread (tests, bench-serve).
 
 uvicorn has no deadline for a request's headers, so a client that trickles them (or connects and says
-nothing) would hold its connection forever; `_with_header_deadline` gives uvicorn's protocol one: from
+nothing) would hold its connection forever; `_with_header_limits` gives uvicorn's protocol one: from
 the connection (or the end of the last response) to a request's whole headers, `limits.header_timeout`
-seconds, then the connection closes (with a 408 if part of a request had come). The body's deadline is the app's (`body.read_body`).
+seconds, then the connection closes (with a 408 if part of a request had come); it also bounds the
+headers' bytes and answers what does not parse with JSON. The body's deadline is the app's
+(`body.read_body`).
 
 Shutdown is graceful: on SIGINT or SIGTERM uvicorn stops accepting connections and waits up to
 `shutdown_timeout` seconds for the requests in flight, which the engine loop keeps serving; then the
@@ -38,7 +40,7 @@ def closing_json_error(status: str, message: str) -> bytes:
             "connection: close\r\n\r\n").encode() + body
 
 
-def _with_header_deadline(protocol: type, header_timeout: float, max_header_bytes: int) -> type:
+def _with_header_limits(protocol: type, header_timeout: float, max_header_bytes: int) -> type:
     """uvicorn's HTTP protocol (httptools or h11; both make `self.cycle` when a request's headers are
     complete), closing a connection whose next request's headers take longer than `header_timeout`, and
     answering a request it cannot parse with a JSON 400. With httptools, a request whose headers pass
@@ -48,7 +50,7 @@ def _with_header_deadline(protocol: type, header_timeout: float, max_header_byte
     of one read before them may be the last request's body), so the bound holds within one read. (h11
     has its own bound, which uvicorn's config sets to the same number: a 400.)"""
 
-    class HeaderDeadline(protocol):
+    class HeaderLimits(protocol):
         _deadline = None
         _started = False  # bytes of the next request have come (a 408 then says why it closes)
         _in_headers = False  # a request has begun and its headers are not complete (httptools' callbacks)
@@ -117,7 +119,7 @@ def _with_header_deadline(protocol: type, header_timeout: float, max_header_byte
                     self.transport.write(_TIMEOUT_408)
                 self.transport.close()
 
-    return HeaderDeadline
+    return HeaderLimits
 
 
 class _Uvicorn(uvicorn.Server):
@@ -160,7 +162,7 @@ class ApiServer:
         self.app = build_app(self.loop, model_name, chat_template, default_max_tokens, limits, self.closing)
         # uvicorn's own deadline comes later than ours: by then every request has answered with "abort".
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
-                                http=_with_header_deadline(AutoHTTPProtocol, limits.header_timeout,
+                                http=_with_header_limits(AutoHTTPProtocol, limits.header_timeout,
                                                            limits.max_header_bytes),
                                 h11_max_incomplete_event_size=limits.max_header_bytes,
                                 timeout_graceful_shutdown=shutdown_timeout + 5)
