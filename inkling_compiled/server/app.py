@@ -14,7 +14,6 @@ disconnects aborts its request at once.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import msgspec
@@ -28,7 +27,7 @@ from ..requests import RequestOutput, prompt_ids
 from .body import BodyTimeout, BodyTooLarge, Closing, Limits, ServerClosing, parse_json, read_body
 from .chat import ChatTemplate, checked_messages
 from .loop import STEP_BUCKETS, Frontend, QueueFull
-from .protocol import (Job, Rules, chat_job, chat_logprobs, check_room, completion_job, completion_logprobs,
+from .protocol import (Job, Rules, ascii_json, chat_job, chat_logprobs, check_room, completion_job, completion_logprobs,
                        joined_logprobs, prompt_echo,
                        envelope, error_body, finish_reason, usage)
 from .text import TextStream
@@ -42,11 +41,10 @@ ANSWER_IN_THREAD_TOKENS = 256
 
 
 class ErrorResponse(JSONResponse):
-    """A JSON error object, ASCII-escaped: a message quoting the client's text (a lone surrogate) cannot
-    fail to encode."""
+    """A JSON error object (`ascii_json`)."""
 
     def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+        return ascii_json(content)
 
 
 def build_app(loop: Frontend, model_name: str, chat_template: ChatTemplate | None = None,

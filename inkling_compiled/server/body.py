@@ -111,7 +111,7 @@ async def read_body(request, limits: Limits, closing: Closing) -> bytes:
         reading.add_done_callback(lambda task: task.cancelled() or task.exception())
     if reading.done():
         return reading.result()  # (raises BodyTooLarge, or what reading raised)
-    if stopping.done() and not stopping.cancelled():
+    if closing.is_set:
         raise ServerClosing("the server is shutting down: the rest of the body was not read")
     raise BodyTimeout(f"the body did not arrive within {limits.body_timeout:g} s")
 

@@ -10,6 +10,7 @@ Extensions that vLLM also takes: `top_k`, `ignore_eos`, `stop_token_ids`, and to
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 from ..checks import is_finite, is_int
@@ -236,6 +237,12 @@ def check_room(job: Job, prompt_tokens: int, max_model_len: int) -> None:
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def ascii_json(content) -> bytes:
+    """Compact JSON, ASCII-escaped: an error quoting the client's text (a lone surrogate) cannot fail to
+    encode."""
+    return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def usage(out: RequestOutput, completion_tokens: int) -> dict:

@@ -15,7 +15,6 @@ engine's requests are aborted (each answers "abort") and a request still sending
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import threading
@@ -27,7 +26,7 @@ from .app import build_app
 from .body import Closing, Limits
 from .chat import ChatTemplate
 from .loop import EngineLoop, Frontend
-from .protocol import error_body
+from .protocol import ascii_json, error_body
 
 _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -35,7 +34,7 @@ _TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection
 def closing_json_error(status: str, message: str) -> bytes:
     """A whole HTTP response carrying the API's JSON error object, for the protocol to write before it
     closes the connection (no request reached the app: its headers were too long or did not parse)."""
-    body = json.dumps(error_body(message), ensure_ascii=True, separators=(",", ":")).encode()
+    body = ascii_json(error_body(message))
     return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode() + body
 
@@ -82,16 +81,18 @@ def _with_header_limits(protocol: type, header_timeout: float, max_header_bytes:
         def _too_long(self) -> None:
             """The 431, unless a response on this connection is still being written (a pipelined request
             behind it): then the connection just closes, which aborts that response's request too."""
-            self._disarm()
-            if self.cycle is None or self.cycle.response_complete:
-                self.transport.write(closing_json_error(
-                    "431 Request Header Fields Too Large",
-                    f"the request line and headers are larger than max_header_bytes={max_header_bytes}"))
-            self.transport.close()
+            in_flight = self.cycle is not None and not self.cycle.response_complete
+            self._refuse(None if in_flight else "431 Request Header Fields Too Large",
+                         f"the request line and headers are larger than max_header_bytes={max_header_bytes}")
 
         def send_400_response(self, msg: str) -> None:
+            self._refuse("400 Bad Request", f"the request is not valid HTTP/1.1: {msg}")
+
+        def _refuse(self, status: str | None, message: str) -> None:
+            """Closes the connection, after a JSON error of `status` where one may be written."""
             self._disarm()
-            self.transport.write(closing_json_error("400 Bad Request", f"the request is not valid HTTP/1.1: {msg}"))
+            if status is not None:
+                self.transport.write(closing_json_error(status, message))
             self.transport.close()
 
         def on_response_complete(self) -> None:
