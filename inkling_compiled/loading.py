@@ -9,7 +9,7 @@ import torch
 from .checkpoint import read_text_tensors
 from .config import InklingConfig
 from .errors import CheckpointError, OptionError
-from .model import InklingForCausalLM, keeps_fp32
+from .model import FUSED_PROJECTIONS, InklingForCausalLM, keeps_fp32
 from .parallel.group import TensorParallel
 from .quantize import SCALE_SUFFIX, checkpoint_scheme, is_matmul_weight, is_weight_scale, quantize_rows, resolve
 
@@ -128,10 +128,18 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         # Always a fresh, allocator-aligned tensor: safetensors hands out views into the mmap at
         # arbitrary alignment, and SIMD kernels round differently on differently aligned data.
         out_dtype = torch.float32 if keeps_fp32(name) else dtype
-        if column_major(name, t.shape, choices, by_shape):
-            fresh = torch.empty(t.shape[:-2] + (t.shape[-1], t.shape[-2]), dtype=out_dtype, device=device)
-            return fresh.copy_(t.transpose(-1, -2)).transpose(-1, -2)
+        if fused_part(name) is None and column_major(name, t.shape, choices, by_shape):  # (parts: once fused)
+            return transposed_copy(t, out_dtype)
         return torch.empty(t.shape, dtype=out_dtype, device=device).copy_(t)
+
+    def transposed_copy(t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        fresh = torch.empty(t.shape[:-2] + (t.shape[-1], t.shape[-2]), dtype=out_dtype, device=device)
+        return fresh.copy_(t.transpose(-1, -2)).transpose(-1, -2)
+
+    def stored_fused(name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype != torch.int8 and column_major(name, t.shape, choices, by_shape):
+            return transposed_copy(t, t.dtype)
+        return t  # (torch.cat's own allocation: fresh and aligned)
 
     non_finite: list[str] = []
 
@@ -158,6 +166,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         raise CheckpointError(f"{Path(path)}: bad int8 tensors: {', '.join(bad_int8[:8])}"
                               + (f" and {len(bad_int8) - 8} more" if len(bad_int8) > 8 else ""))
     tensors.update(scales)
+    fuse_projections(tensors, stored_fused)
     with torch.device("meta"):
         model = InklingForCausalLM(config, mtp_depths, tp)
         if int8:
@@ -165,3 +174,33 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     model.requires_grad_(False)  # before assigning: an int8 tensor cannot be a parameter that wants grads
     model.load_state_dict(tensors, strict=True, assign=True)
     return model.eval(), report
+
+
+def fused_part(name: str) -> tuple[str, str] | None:
+    """(the model weight it is stacked into, its checkpoint part name) for a part of a FUSED_PROJECTIONS
+    weight, or one's int8 scales; None for any other tensor."""
+    weight = name.removesuffix(SCALE_SUFFIX) if is_weight_scale(name) else name
+    for fused, (_, parts) in FUSED_PROJECTIONS.items():
+        for part in parts:
+            if weight.endswith("." + part):
+                return fused, part
+    return None
+
+
+def fuse_projections(tensors: dict[str, torch.Tensor], store) -> None:
+    """Replaces each group of parts in `tensors` (and their scales, stacked the same way) by the one
+    weight the model holds; `store(name, stacked)` gives it its memory layout. One group's parts are
+    held twice for a moment, never the whole model's."""
+    for name in [n for n in tensors if not is_weight_scale(n)]:
+        found = fused_part(name)
+        if found is None or found[1] != FUSED_PROJECTIONS[found[0]][1][0]:
+            continue  # (a group is stacked once, from its first part)
+        fused, first = found
+        prefix = name[:-len(first)]
+        dim, parts = FUSED_PROJECTIONS[fused]
+        weights = [tensors.pop(prefix + part) for part in parts]
+        tensors[prefix + fused] = store(prefix + fused, torch.cat(weights, dim=dim))
+        del weights
+        if prefix + first + SCALE_SUFFIX in tensors:
+            scales = [tensors.pop(prefix + part + SCALE_SUFFIX) for part in parts]
+            tensors[prefix + fused + SCALE_SUFFIX] = torch.cat(scales, dim=dim)

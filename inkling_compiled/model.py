@@ -15,6 +15,11 @@ transformers state dict loads as is (see `checkpoint.py`).
 Every projection, expert bank and the lm_head may be int8 (weight-only quantization, `quantize.py`):
 each then has a `<name>_scale` parameter, one fp32 scale per output row, None in an fp32 or bf16 model,
 and goes through the int8 ops.
+
+Projections that read the same input are one weight here (`FUSED_PROJECTIONS`): q, k, v and r of an
+attention layer, gate and up of a dense MLP and of each shared expert. A step then makes one call where
+the checkpoint has several (each call has a fixed cost that a batch-1 decode step pays dozens of times),
+and the rows of each part are the checkpoint's own, so every output is the same dot product.
 """
 
 from __future__ import annotations
@@ -39,6 +44,15 @@ linear = torch.ops.inkling.linear
 def project(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """x @ W^T: W as loaded, or int8 with one scale per output row."""
     return linear(x, weight) if scale is None else torch.ops.inkling.linear_int8(x, weight, scale)
+
+# A model weight -> (the dimension its parts stack along, the checkpoint's names of the parts, in order).
+# Matched as name suffixes; the loader stacks the parts (and an int8 weight's scales) as it reads them.
+FUSED_PROJECTIONS = {
+    "self_attn.qkvr_proj.weight": (0, ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                       "self_attn.v_proj.weight", "self_attn.r_proj.weight")),
+    "mlp.gate_up_proj.weight": (0, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.shared_experts.gate_up_proj": (1, ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
+}
 
 # Tensors transformers keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`).
 FP32_SUFFIXES = ("sconv.conv1d.weight", "gate.e_score_correction_bias", "gate.global_scale")
@@ -101,10 +115,8 @@ class Attention(nn.Module):
         g = self.geometry = config.geometry(layer_id)
         H, K = config.hidden_size, config.conv_kernel_size
         self.layer_id = layer_id
-        self.q_proj = Linear(H, g.q_width)
-        self.k_proj = Linear(H, g.kv_width)
-        self.v_proj = Linear(H, g.kv_width)
-        self.r_proj = Linear(H, g.num_heads * config.d_rel)
+        self.widths = (g.q_width, g.kv_width, g.kv_width, g.num_heads * config.d_rel)  # q, k, v, r
+        self.qkvr_proj = Linear(H, sum(self.widths))
         self.o_proj = Linear(g.q_width, H)
         self.k_sconv = ShortConv(g.kv_width, K, layer_id, K_STREAM)
         self.v_sconv = ShortConv(g.kv_width, K, layer_id, V_STREAM)
@@ -114,10 +126,11 @@ class Attention(nn.Module):
 
     def forward(self, a: torch.Tensor, ctx) -> torch.Tensor:
         g, T = self.geometry, a.shape[0]
-        q = self.q_norm(self.q_proj(a).view(T, g.num_heads, g.head_dim))
-        k = self.k_norm(self.k_sconv(self.k_proj(a), ctx).view(T, g.num_kv_heads, g.head_dim))
-        v = self.v_sconv(self.v_proj(a), ctx).view(T, g.num_kv_heads, g.head_dim)
-        r = self.r_proj(a).view(T, g.num_heads, -1)
+        q, k, v, r = self.qkvr_proj(a).split(self.widths, dim=-1)
+        q = self.q_norm(q.view(T, g.num_heads, g.head_dim))
+        k = self.k_norm(self.k_sconv(k, ctx).view(T, g.num_kv_heads, g.head_dim))
+        v = self.v_sconv(v, ctx).view(T, g.num_kv_heads, g.head_dim)
+        r = r.view(T, g.num_heads, -1)
         o = ctx.attention(self.layer_id, g, q, k, v, r, self.rel_logits_proj.proj)
         return self.o_proj(o.reshape(T, g.q_width))
 
@@ -130,13 +143,13 @@ class DenseMLP(nn.Module):
         super().__init__()
         start, stop = tp.span(config.intermediate_size)
         H, I = config.hidden_size, stop - start
-        self.gate_proj = Linear(H, I)
-        self.up_proj = Linear(H, I)
+        self.gate_up_proj = Linear(H, 2 * I)  # rows [0, I) gate, [I, 2I) up
         self.down_proj = Linear(I, H)
         self.global_scale = nn.Parameter(torch.empty(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
         return self.down_proj(hidden) * self.global_scale
 
 
@@ -194,19 +207,17 @@ class SharedExperts(nn.Module):
         super().__init__()
         start, stop = tp.span(config.moe_intermediate_size)  # split like the dense MLP's width
         S, H, I = config.n_shared_experts, config.hidden_size, stop - start
-        self.gate_proj = nn.Parameter(torch.empty(S, I, H))
-        self.up_proj = nn.Parameter(torch.empty(S, I, H))
+        self.gate_up_proj = nn.Parameter(torch.empty(S, 2 * I, H))  # rows [0, I) gate, [I, 2I) up
         self.down_proj = nn.Parameter(torch.empty(S, H, I))
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in ("gate_up_proj", "down_proj"):
             self.register_parameter(f"{name}_scale", None)  # [S, rows] when int8
 
     def forward(self, x: torch.Tensor, gammas: torch.Tensor) -> torch.Tensor:
         # One expert at a time through the projection op: at decode that is the few-row kernel, and
         # unlike bmm it lowers for a batch dimension of unknown size.
         total = None
-        for s in range(self.gate_proj.shape[0]):
-            gate = project(x, self.gate_proj[s], self._scale("gate_proj", s))
-            up = project(x, self.up_proj[s], self._scale("up_proj", s))
+        for s in range(self.gate_up_proj.shape[0]):
+            gate, up = project(x, self.gate_up_proj[s], self._scale("gate_up_proj", s)).chunk(2, dim=-1)
             act = F.silu(gate) * up * gammas[:, s:s + 1]  # gamma applies before down_proj
             down = project(act, self.down_proj[s], self._scale("down_proj", s)).float()
             total = down if total is None else total + down

@@ -88,6 +88,27 @@ class Threes(Drafter):
         return [[3] * self.num_tokens for _ in reqs]
 
 
+def checkpoint_named(model) -> dict[str, torch.Tensor]:
+    """A loaded model's parameters under the checkpoint's names: each stacked projection cut back into
+    its parts (q, k, v, r by the attention's widths; gate and up in halves)."""
+    from inkling_compiled.model import FUSED_PROJECTIONS
+
+    out = {}
+    for name, p in model.named_parameters():
+        weight = name.removesuffix("_scale")
+        fused = next((f for f in FUSED_PROJECTIONS if weight.endswith("." + f)), None)
+        if fused is None:
+            out[name] = p
+            continue
+        dim, parts = FUSED_PROJECTIONS[fused]
+        prefix = weight[:-len(fused)]
+        owner = model.get_submodule(prefix + fused.split(".")[0]) if fused.startswith("self_attn.") else None
+        sizes = owner.widths if owner is not None else [p.shape[dim] // 2] * 2
+        for part, piece in zip(parts, p.split(list(sizes), dim=dim)):
+            out[prefix + part + name[len(weight):]] = piece
+    return out
+
+
 def has_symbolic_batch(gm) -> bool:
     """Whether a recorded step graph's metadata inputs all have a symbolic leading (batch) dimension."""
     sizes = [n.meta["example_value"].shape[0] for n in gm.graph.find_nodes(op="placeholder")

@@ -48,7 +48,7 @@ from inkling_compiled.custom_ops.library import native_kernels, reference_kernel
 from inkling_compiled.engine import Engine
 from inkling_compiled.sampling import SamplingParams
 
-from conftest import PARITY_CONFIGS, PARITY_LENGTHS, random_prompt
+from conftest import PARITY_CONFIGS, PARITY_LENGTHS, checkpoint_named, random_prompt
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,7 +156,7 @@ def logprob_diffs(ref: Reference, out) -> torch.Tensor:
 def test_bf16_keeps_the_tensors_transformers_keeps_in_fp32(name, checkpoint, hf_bf16):
     ours, _ = load_model(checkpoint(name), dtype=torch.bfloat16)
     theirs = hf_bf16(name).state_dict()
-    dtypes = {n: t.dtype for n, t in ours.state_dict().items()}
+    dtypes = {n: t.dtype for n, t in checkpoint_named(ours).items()}
     assert dtypes == {n: theirs[n].dtype for n in dtypes}
     assert {torch.float32, torch.bfloat16} == set(dtypes.values())
 

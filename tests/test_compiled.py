@@ -39,12 +39,17 @@ def compiled_engine(checkpoint, name, **kw):
 
 # ---- structure on cheap backends -------------------------------------------------------------------
 
-def _full_sconv_census(gm, layers: int) -> None:
+def _full_sconv_census(gm, config) -> None:
+    layers = config.num_hidden_layers
     c = census(gm)
     assert c["sconv_calls"] == 4 * layers
     sconv = [(x["layer"], x["stream"]) for x in c["custom_calls"] if x["op"] == "inkling::sconv_decode"]
     assert sorted(sconv) == sorted((layer, s) for layer in range(layers) for s in STREAM_NAMES)
     assert c["ops"]["inkling::kv_write"] == layers
+    # Projection calls: q, k, v and r stacked, and o; gate and up stacked, and down, for a dense MLP and
+    # for each shared expert; the lm_head. Each call costs a few microseconds beyond its bytes.
+    sparse = sum(config.is_sparse(i) for i in range(layers))
+    assert c["ops"]["inkling::linear"] == 2 * layers + 2 * (layers - sparse) + 2 * config.n_shared_experts * sparse + 1
     assert c["ops"].get("inkling::sconv_extend", 0) == 0
     assert c["ops"].get("inkling::wait_layer", 0) == 0  # no HiCache barrier unless asked for
 
@@ -59,7 +64,7 @@ def test_one_symbolic_graph_serves_every_bucket_no_breaks_and_a_full_sconv_censu
     assert engine.worker.decoder.graphs() == [DEFAULT_BUCKETS]
     assert len(recorder.graphs) == 1 and has_symbolic_batch(recorder.graphs[0])
     assert not torch._dynamo.utils.counters["graph_break"]
-    _full_sconv_census(recorder.graphs[0], engine.config.num_hidden_layers)
+    _full_sconv_census(recorder.graphs[0], engine.config)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     engine.worker.backend.prepare_padding(3)  # not a bucket: still no new graph
     tokens = engine.worker.decoder.run(4)[0]
@@ -72,7 +77,7 @@ def test_batch_one_specialised_is_its_own_static_graph(checkpoint):
     assert engine.worker.decoder.graphs() == [(1,), (2, 4, 8)]
     assert [has_symbolic_batch(gm) for gm in recorder.graphs] == [False, True]
     for gm in recorder.graphs:
-        _full_sconv_census(gm, engine.config.num_hidden_layers)
+        _full_sconv_census(gm, engine.config)
 
 
 def test_graph_per_bucket_compiles_each_bucket_and_refuses_other_sizes(checkpoint):
@@ -81,7 +86,7 @@ def test_graph_per_bucket_compiles_each_bucket_and_refuses_other_sizes(checkpoin
     assert engine.worker.decoder.graphs() == [(1,), (2,), (4,), (8,)]
     assert not any(has_symbolic_batch(gm) for gm in recorder.graphs)
     for gm in recorder.graphs:
-        _full_sconv_census(gm, engine.config.num_hidden_layers)
+        _full_sconv_census(gm, engine.config)
     # after warm-up, a shape outside the buckets must not silently compile a new graph
     engine.worker.backend.prepare_padding(3)
     with pytest.raises(CompileError, match=r"(?s)would recompile after warm-up.*size mismatch"):

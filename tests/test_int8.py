@@ -18,7 +18,7 @@ from inkling_compiled import Engine, SamplingParams, load_model
 from inkling_compiled.cli import main as cli_main
 from inkling_compiled.errors import CheckpointError, OptionError
 
-from conftest import random_prompt
+from conftest import checkpoint_named, random_prompt
 from forced_build import run_in_build
 
 # The tensors int8 stores (transformers names): projections, expert banks, lm_head.
@@ -234,7 +234,7 @@ def test_exactly_representable_weights_give_transformers_tokens_compiled(exact):
                                     max_batch_size=2, buckets=(2,), speculative="ngram", num_speculative_tokens=2,
                                     progress=False)
     assert_matches(engine.generate(PROMPTS, GREEDY), transformers_greedy(exact, PROMPTS, GREEDY.max_new_tokens))
-    params = dict(engine.model.named_parameters())
+    params = checkpoint_named(engine.model)
     int8 = [n for n, p in params.items() if p.dtype == torch.int8]
     assert len(int8) == sum(n.endswith(MATMUL_SUFFIXES) for n in params)
     saved = sum(3 * params[n].numel() - 4 * params[n + "_scale"].numel() for n in int8)  # fp32: 4 bytes, int8: 1

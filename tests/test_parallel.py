@@ -23,7 +23,7 @@ from inkling_compiled.graphs.census import GraphRecorder
 from inkling_compiled.parallel.runtime import ParallelError
 from inkling_compiled.tiny import build_tiny_checkpoint
 
-from conftest import random_prompt
+from conftest import checkpoint_named, random_prompt
 
 PROMPTS = [random_prompt(n, seed=n) for n in (1, 5, 13, 21)]
 SHARED = random_prompt(19, seed=99)  # a prompt prefix two requests share (a prefix-cache hit)
@@ -121,8 +121,8 @@ def _kv_rows(config: InklingConfig, layer: int, rank: int, world: int) -> list[i
 def test_shards_are_the_checkpoint_cut_by_heads_experts_and_vocabulary(checkpoint, five_experts, world, variant):
     path = checkpoint("tiny") if variant == "tiny" else five_experts
     full, _ = load_model(path)
-    full_params = dict(full.named_parameters())
-    shards = [dict(load_model(path, tensor_parallel=(r, world, None))[0].named_parameters()) for r in range(world)]
+    full_params = checkpoint_named(full)
+    shards = [checkpoint_named(load_model(path, tensor_parallel=(r, world, None))[0]) for r in range(world)]
     config = full.config
     cut_dims = {"q_proj": 0, "r_proj": 0, "o_proj": 1, "gate_proj.weight": 0, "up_proj.weight": 0,
                 "down_proj.weight": 1, "shared_experts.gate_proj": 1, "shared_experts.up_proj": 1,
@@ -184,8 +184,8 @@ def test_loading_reads_only_the_ranks_slices(checkpoint, monkeypatch):
     full, _ = load_model(checkpoint("tiny"))
     read.clear()
     shard, _ = load_model(checkpoint("tiny"), tensor_parallel=(1, 2, None))
-    held = dict(shard.named_parameters())
-    for name, whole in full.named_parameters():
+    held = checkpoint_named(shard)
+    for name, whole in checkpoint_named(full).items():
         if held[name].shape == whole.shape:  # replicated: read once, whole
             assert read[name] == whole.numel(), name
         else:  # cut: only the share was read (the vocabulary's last share is padded with zeros after reading)
@@ -245,7 +245,10 @@ def test_four_ranks_compiled_one_graph_each_with_its_collectives(checkpoint, ora
             assert ops.get("_c10d_functional::all_reduce") == 2 * layers + 1, ops
             assert sum(n for op, n in ops.items() if op.startswith("_c10d_functional::all_gather")) == 1, ops
             assert ops.get("_c10d_functional::wait_tensor") == 2 * layers + 2, ops
-            assert report["shapes"]["model.layers.1.self_attn.q_proj.weight"][0] == 16  # one head of 4
+            # one head of 4: q's 16 rows, k's and v's of the KV head it reads, r's d_rel
+            config = InklingConfig.from_file(checkpoint("tiny"))
+            kv = len(_kv_rows(config, 1, 0, 4))
+            assert report["shapes"]["model.layers.1.self_attn.qkvr_proj.weight"][0] == 16 + 2 * kv + config.d_rel
     assert_no_ranks_left(engine)
 
 
