@@ -183,15 +183,26 @@ def make_pool(slots, K, D, seed):
     return pool, g
 
 
+def conv_input(tokens: int, D: int, g, strided: bool) -> torch.Tensor:
+    """x [tokens, D], or with strided=True a view whose rows lie apart, as k and v of a stacked q/k/v/r
+    projection's output do (the kernels read them in place)."""
+    if not strided:
+        return torch.randn(tokens, D, generator=g)
+    x = torch.randn(tokens, D + 7, generator=g)[:, 3:3 + D]
+    assert not x.is_contiguous() or tokens < 2
+    return x
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["rows", "strided-rows"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_sconv_decode_is_bit_identical_to_reference(K, impl):
+def test_sconv_decode_is_bit_identical_to_reference(K, impl, strided):
     sconv_decode = IMPLS[impl]["decode"]
     D, slots = 24, 9
     pool, g = make_pool(slots, K, D, seed=K)
     state = pool[1]  # a view, as the backend hands it
     before = pool.clone()
-    x = torch.randn(4, D, generator=g)
+    x = conv_input(4, D, g, strided)
     w = torch.randn(D, K, generator=g)
     idx = torch.tensor([3, 7, 1, 5], dtype=torch.int32)
     y = sconv_decode(x, state, w, idx)
@@ -204,9 +215,10 @@ def test_sconv_decode_is_bit_identical_to_reference(K, impl):
     assert torch.equal(pool[0], before[0]) and torch.equal(pool[2], before[2])
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["rows", "strided-rows"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_sconv_extend_is_bit_identical_to_reference(K, impl):
+def test_sconv_extend_is_bit_identical_to_reference(K, impl, strided):
     sconv_extend = IMPLS[impl]["extend"]
     D, slots = 16, 8
     pool, g = make_pool(slots, K, D, seed=10 + K)
@@ -216,7 +228,7 @@ def test_sconv_extend_is_bit_identical_to_reference(K, impl):
     his = torch.tensor([True, True, False, False, True])
     idx = torch.tensor([2, 5, 6, 1, 4], dtype=torch.int32)
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    x = torch.randn(sum(lens), D, generator=g)
+    x = conv_input(sum(lens), D, g, strided)
     w = torch.randn(D, K, generator=g)
     y = sconv_extend(x, state, w, qsl, his, idx)
     for b, slot in enumerate(idx.tolist()):

@@ -59,9 +59,10 @@ def plain_outputs(checkpoint):
 
 # ---- ops ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("strided", [False, True], ids=["rows", "strided-rows"])
 @pytest.mark.parametrize("kernel", ["op", "reference"])
 @pytest.mark.parametrize("K", [3, 4])
-def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K, kernel):
+def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K, kernel, strided):
     """sconv_verify leaves the slots alone and saves each token's window; committing step s gives the state
     that decoding tokens 0..s one at a time leaves (bit for bit), whatever each row accepted. `op` is the
     CPU (C++) kernel, whose outputs also equal the reference's bit for bit."""
@@ -74,7 +75,7 @@ def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K, kernel)
     state = torch.randn(slots, K - 1, D, generator=g)
     weight = torch.randn(D, K, generator=g)
     rows = torch.tensor([3, 1, 5, 2], dtype=torch.int32)
-    x = torch.randn(len(rows) * T_d, D, generator=g)
+    x = torch.randn(len(rows) * T_d, D + 5 * strided, generator=g)[:, :D]  # strided: rows apart, as k and v of q/k/v/r
     windows = torch.zeros(slots, T_d, K - 1, D)
     before = state.clone()
     y = verify(x, state, weight, rows, windows)
@@ -86,7 +87,7 @@ def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K, kernel)
     decoded = state.clone()
     want_y, want_windows = [], []
     for t in range(T_d):
-        want_y.append(torch.ops.inkling.sconv_decode(x.view(len(rows), T_d, D)[:, t].contiguous(), decoded, weight, rows))
+        want_y.append(torch.ops.inkling.sconv_decode(x.reshape(len(rows), T_d, D)[:, t].contiguous(), decoded, weight, rows))
         want_windows.append(decoded[rows.long()].clone())
     assert torch.allclose(y.view(len(rows), T_d, D), torch.stack(want_y, 1), atol=1e-6)
 

@@ -102,16 +102,24 @@ const float* taps_by_position(const float* w, int64_t D, int64_t K, std::vector<
   return taps.data();
 }
 
+// x [T, D] with its rows where they lie: only its channels need be contiguous. A conv's input is often a
+// part of a stacked projection's output (k or v of the q/k/v/r rows), a view whose rows are strided, and
+// copying it would cost a tensor allocated and filled per call.
+at::Tensor rows_in_place(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "inkling conv kernels take x as [tokens, channels]");
+  return x.stride(1) == 1 ? x : x.contiguous();
+}
+
 // y[b] = sum over the window [state[slot] (K-1 rows), x[b]] of tap * weight; then the window shifts in x[b].
 at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tensor& weight_in,
                         const at::Tensor& cache_indices, int64_t layer_id, int64_t stream) {
   ConvRange range(layer_id, stream);
   check_state(state, x_in);
-  const auto x = x_in.contiguous();
+  const auto x = rows_in_place(x_in);
   const auto w = in_dtype(weight_in, at::kFloat).contiguous();
   const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
-  const int64_t B = x.size(0), D = x.size(1), K = w.size(1);
-  auto y = at::empty_like(x);
+  const int64_t B = x.size(0), D = x.size(1), K = w.size(1), xs = x.stride(0);
+  auto y = at::empty({B, D}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -124,7 +132,7 @@ at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tens
   at::parallel_for(0, D, task_grain(B * K), [&](int64_t d0, int64_t d1) {
     for (int64_t b = 0; b < B; ++b) {
       float* __restrict win = sp + ip[b] * s0;
-      const float* __restrict xb = xp + b * D;
+      const float* __restrict xb = xp + b * xs;
       float* __restrict yb = yp + b * D;
       const float* __restrict last = taps + (K - 1) * D;
       for (int64_t d = d0; d < d1; ++d) yb[d] = xb[d] * last[d];
@@ -151,15 +159,15 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
                         const at::Tensor& cache_indices, int64_t layer_id, int64_t stream) {
   ConvRange range(layer_id, stream);
   check_state(state, x_in);
-  const auto x = x_in.contiguous();
+  const auto x = rows_in_place(x_in);
   const auto w = in_dtype(weight_in, at::kFloat).contiguous();
   const std::vector<int64_t> qsl = indices_of(query_start_loc, 0);
   const auto his = in_dtype(has_initial_state, at::kBool).contiguous();
   const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
-  const int64_t B = idx.size(0), D = x.size(1), K = w.size(1), H = K - 1;
+  const int64_t B = idx.size(0), D = x.size(1), K = w.size(1), H = K - 1, xs = x.stride(0);
   TORCH_CHECK(static_cast<int64_t>(qsl.size()) > B,
               "sconv_extend: query_start_loc needs an entry per sequence and one more");
-  auto y = at::empty_like(x);
+  auto y = at::empty({x.size(0), D}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -180,10 +188,10 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
       const int64_t start = qp[b], end = qp[b + 1];
       // The input row at token src: this chunk's own, or the history before it.
       auto row = [&](int64_t src) -> const float* {
-        return src >= start ? xp + src * D : hist.data() + (H - (start - src)) * D;
+        return src >= start ? xp + src * xs : hist.data() + (H - (start - src)) * D;
       };
       for (int64_t t = start; t < end; ++t) {
-        const float* __restrict xt = xp + t * D;
+        const float* __restrict xt = xp + t * xs;
         const float* __restrict last = taps + (K - 1) * D;
         float* __restrict yt = yp + t * D;
         for (int64_t d = d0; d < d1; ++d) yt[d] = xt[d] * last[d];
@@ -207,10 +215,10 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   check_state(state, x_in);
   TORCH_CHECK(windows.scalar_type() == at::kFloat && windows.dim() == 4 && windows.stride(3) == 1,
               "sconv_verify: windows must be fp32 [rows, T, K-1, D] with unit channel stride");
-  const auto x = x_in.contiguous();
+  const auto x = rows_in_place(x_in);
   const auto w = in_dtype(weight_in, at::kFloat).contiguous();
   const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
-  const int64_t B = idx.size(0), T = windows.size(1), D = x.size(1), K = w.size(1), H = K - 1;
+  const int64_t B = idx.size(0), T = windows.size(1), D = x.size(1), K = w.size(1), H = K - 1, xs = x.stride(0);
   TORCH_CHECK(x.size(0) == B * T && windows.size(0) >= B && windows.size(2) == H && windows.size(3) == D,
               "sconv_verify: x must hold T tokens per row and windows one [K-1, D] window per (row, token)");
   TORCH_CHECK(state.size(1) == H && state.size(2) == D, "sconv_verify: state windows must be [K-1, D] = [", H, ", ",
@@ -219,7 +227,7 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
     const int64_t slot = idx.data_ptr<int32_t>()[b];
     TORCH_CHECK(slot >= 0 && slot < state.size(0), "sconv_verify: bad slot ", slot);
   }
-  auto y = at::empty_like(x);
+  auto y = at::empty({x.size(0), D}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float* sp = state.data_ptr<float>();
@@ -236,11 +244,11 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   at::parallel_for(0, B, task_grain(T * D * K), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* win = sp + ip[b] * s0;
-      const float* xb = xp + b * T * D;
+      const float* xb = xp + b * T * xs;
       // The input at token src of the row: its own for src >= 0, else the slot's window (H rows before).
-      auto input = [&](int64_t src) -> const float* { return src >= 0 ? xb + src * D : win + (H + src) * s1; };
+      auto input = [&](int64_t src) -> const float* { return src >= 0 ? xb + src * xs : win + (H + src) * s1; };
       for (int64_t t = 0; t < T; ++t) {
-        const float* __restrict xt = xb + t * D;
+        const float* __restrict xt = xb + t * xs;
         const float* __restrict last = taps + (K - 1) * D;
         float* __restrict yt = yp + (b * T + t) * D;
         for (int64_t d = 0; d < D; ++d) yt[d] = xt[d] * last[d];
