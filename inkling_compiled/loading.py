@@ -13,6 +13,7 @@ from .model import FUSED_PROJECTIONS, InklingForCausalLM, keeps_fp32
 from .parallel.group import TensorParallel
 from .quantize import SCALE_SUFFIX, checkpoint_scheme, is_matmul_weight, is_weight_scale, quantize_rows, resolve
 
+CONV_WEIGHT = "sconv.conv1d.weight"
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -130,6 +131,11 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         out_dtype = torch.float32 if keeps_fp32(name) else dtype
         if fused_part(name) is None and column_major(name, t.shape, choices, by_shape):  # (parts: once fused)
             return transposed_copy(t, out_dtype)
+        if device.type == "cpu" and name.endswith(CONV_WEIGHT) and t.dim() == 3:
+            # [D, 1, K] held by position ([K, 1, D] in memory): the C++ conv kernels read each tap of every
+            # channel together where it lies, rather than gathering them at every call
+            fresh = torch.empty(t.shape[::-1], dtype=out_dtype, device=device)
+            return fresh.copy_(t.permute(2, 1, 0)).permute(2, 1, 0)
         return torch.empty(t.shape, dtype=out_dtype, device=device).copy_(t)
 
     def transposed_copy(t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

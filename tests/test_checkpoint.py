@@ -82,6 +82,20 @@ def test_multimodal_transformers_prefix_loads(checkpoint, tmp_path):
     assert torch.equal(logits_of(src, prompt), logits_of(tmp_path, prompt))
 
 
+def test_convs_are_held_tap_by_tap_on_cpu_with_the_checkpoints_values(checkpoint):
+    """The C++ conv kernels read each tap of every channel together: on CPU each conv weight [D, 1, K] is
+    held as [K, 1, D] in memory, its values those of the file."""
+    from safetensors.torch import load_file
+
+    model, _ = load_model(checkpoint("tiny"), mtp_depths=2)
+    stored = load_file(str(checkpoint("tiny") / "model.safetensors"))
+    convs = {n: p for n, p in model.named_parameters() if n.endswith("sconv.conv1d.weight")}
+    assert len(convs) == 4 * (model.config.num_hidden_layers + 2)
+    for name, p in convs.items():
+        D, _, K = p.shape
+        assert p.stride() == (1, D, D) and torch.equal(p, stored[name].float()), name
+
+
 def test_bf16_keeps_convs_and_router_bias_in_fp32(checkpoint):
     model, _ = load_model(checkpoint("tiny"), dtype=torch.bfloat16)
     dtypes = {n: p.dtype for n, p in model.named_parameters()}

@@ -183,6 +183,12 @@ def make_pool(slots, K, D, seed):
     return pool, g
 
 
+def conv_weight(D: int, K: int, g, by_position: bool) -> torch.Tensor:
+    """w [D, K], or with by_position=True the same shape held tap by tap ([K, D] in memory), as the loader
+    holds the convs on CPU (the kernels read it in place)."""
+    return torch.randn(K, D, generator=g).t() if by_position else torch.randn(D, K, generator=g)
+
+
 def conv_input(tokens: int, D: int, g, strided: bool) -> torch.Tensor:
     """x [tokens, D], or with strided=True a view whose rows lie apart, as k and v of a stacked q/k/v/r
     projection's output do (the kernels read them in place)."""
@@ -193,17 +199,18 @@ def conv_input(tokens: int, D: int, g, strided: bool) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("by_position", [False, True], ids=["taps", "taps-by-position"])
 @pytest.mark.parametrize("strided", [False, True], ids=["rows", "strided-rows"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_sconv_decode_is_bit_identical_to_reference(K, impl, strided):
+def test_sconv_decode_is_bit_identical_to_reference(K, impl, strided, by_position):
     sconv_decode = IMPLS[impl]["decode"]
     D, slots = 24, 9
     pool, g = make_pool(slots, K, D, seed=K)
     state = pool[1]  # a view, as the backend hands it
     before = pool.clone()
     x = conv_input(4, D, g, strided)
-    w = torch.randn(D, K, generator=g)
+    w = conv_weight(D, K, g, by_position)
     idx = torch.tensor([3, 7, 1, 5], dtype=torch.int32)
     y = sconv_decode(x, state, w, idx)
     for row, slot in enumerate(idx.tolist()):
@@ -215,10 +222,11 @@ def test_sconv_decode_is_bit_identical_to_reference(K, impl, strided):
     assert torch.equal(pool[0], before[0]) and torch.equal(pool[2], before[2])
 
 
+@pytest.mark.parametrize("by_position", [False, True], ids=["taps", "taps-by-position"])
 @pytest.mark.parametrize("strided", [False, True], ids=["rows", "strided-rows"])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("K", [2, 3, 4])
-def test_sconv_extend_is_bit_identical_to_reference(K, impl, strided):
+def test_sconv_extend_is_bit_identical_to_reference(K, impl, strided, by_position):
     sconv_extend = IMPLS[impl]["extend"]
     D, slots = 16, 8
     pool, g = make_pool(slots, K, D, seed=10 + K)
@@ -229,7 +237,7 @@ def test_sconv_extend_is_bit_identical_to_reference(K, impl, strided):
     idx = torch.tensor([2, 5, 6, 1, 4], dtype=torch.int32)
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     x = conv_input(sum(lens), D, g, strided)
-    w = torch.randn(D, K, generator=g)
+    w = conv_weight(D, K, g, by_position)
     y = sconv_extend(x, state, w, qsl, his, idx)
     for b, slot in enumerate(idx.tolist()):
         history = before[2, slot] if his[b] else torch.zeros(K - 1, D)

@@ -73,9 +73,10 @@ def test_verify_windows_and_commit_equal_decoding_the_accepted_tokens(K, kernel,
     g = torch.Generator().manual_seed(0)
     T_d, D, slots = 4, 6, 6
     state = torch.randn(slots, K - 1, D, generator=g)
-    weight = torch.randn(D, K, generator=g)
+    # strided: the rows apart, as k and v of q/k/v/r lie; and the taps by position, as the loader holds them
+    weight = torch.randn(K, D, generator=g).t() if strided else torch.randn(D, K, generator=g)
     rows = torch.tensor([3, 1, 5, 2], dtype=torch.int32)
-    x = torch.randn(len(rows) * T_d, D + 5 * strided, generator=g)[:, :D]  # strided: rows apart, as k and v of q/k/v/r
+    x = torch.randn(len(rows) * T_d, D + 5 * strided, generator=g)[:, :D]
     windows = torch.zeros(slots, T_d, K - 1, D)
     before = state.clone()
     y = verify(x, state, weight, rows, windows)

@@ -93,13 +93,22 @@ void check_state(const at::Tensor& state, const at::Tensor& x) {
   TORCH_CHECK(state.dim() == 3 && state.stride(2) == 1, "conv state must be [slots, K-1, D] with unit channel stride");
 }
 
-// The conv taps [D, K] by position ([K, D]) into `taps`, so that the conv loops run along channels and
-// vectorise; returns its data.
-const float* taps_by_position(const float* w, int64_t D, int64_t K, std::vector<float>& taps) {
-  taps.resize(K * D);
+// The conv taps [D, K] by position ([K, D]: tap k of every channel together), so that the conv loops run
+// along channels and vectorise. A weight stored by position (strides (1, D), as the loader stores the
+// convs on CPU) is read where it lies; any other is transposed into `scratch` (a scalar gather that cost
+// a batch-1 decode step about a third of its conv time).
+const float* taps_by_position(const at::Tensor& weight, int64_t D, std::vector<float>& scratch) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == D, "inkling conv kernels take the weight as [channels, taps], ",
+              D, " channels");
+  const int64_t K = weight.size(1);
+  if (weight.scalar_type() == at::kFloat && (D == 1 || weight.stride(0) == 1) && (K == 1 || weight.stride(1) == D))
+    return weight.data_ptr<float>();
+  const auto w = in_dtype(weight, at::kFloat).contiguous();
+  const float* wp = w.data_ptr<float>();
+  scratch.resize(K * D);
   for (int64_t d = 0; d < D; ++d)
-    for (int64_t k = 0; k < K; ++k) taps[k * D + d] = w[d * K + k];
-  return taps.data();
+    for (int64_t k = 0; k < K; ++k) scratch[k * D + d] = wp[d * K + k];
+  return scratch.data();
 }
 
 // x [T, D] with its rows where they lie: only its channels need be contiguous. A conv's input is often a
@@ -116,18 +125,16 @@ at::Tensor sconv_decode(const at::Tensor& x_in, at::Tensor state, const at::Tens
   ConvRange range(layer_id, stream);
   check_state(state, x_in);
   const auto x = rows_in_place(x_in);
-  const auto w = in_dtype(weight_in, at::kFloat).contiguous();
   const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
-  const int64_t B = x.size(0), D = x.size(1), K = w.size(1), xs = x.stride(0);
+  const int64_t B = x.size(0), D = x.size(1), K = weight_in.size(1), xs = x.stride(0);
   auto y = at::empty({B, D}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* sp = state.data_ptr<float>();
   const int32_t* ip = idx.data_ptr<int32_t>();
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
   thread_local std::vector<float> by_position;  // kept with the thread: a decode step allocates nothing
-  const float* taps = taps_by_position(wp, D, K, by_position);
+  const float* taps = taps_by_position(weight_in, D, by_position);
   // Channels are independent: split over the intra-op pool by channel ranges.
   at::parallel_for(0, D, task_grain(B * K), [&](int64_t d0, int64_t d1) {
     for (int64_t b = 0; b < B; ++b) {
@@ -160,16 +167,14 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
   ConvRange range(layer_id, stream);
   check_state(state, x_in);
   const auto x = rows_in_place(x_in);
-  const auto w = in_dtype(weight_in, at::kFloat).contiguous();
   const std::vector<int64_t> qsl = indices_of(query_start_loc, 0);
   const auto his = in_dtype(has_initial_state, at::kBool).contiguous();
   const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
-  const int64_t B = idx.size(0), D = x.size(1), K = w.size(1), H = K - 1, xs = x.stride(0);
+  const int64_t B = idx.size(0), D = x.size(1), K = weight_in.size(1), H = K - 1, xs = x.stride(0);
   TORCH_CHECK(static_cast<int64_t>(qsl.size()) > B,
               "sconv_extend: query_start_loc needs an entry per sequence and one more");
   auto y = at::empty({x.size(0), D}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* sp = state.data_ptr<float>();
   const int64_t* qp = qsl.data();
@@ -178,7 +183,7 @@ at::Tensor sconv_extend(const at::Tensor& x_in, at::Tensor state, const at::Tens
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
   const int64_t tokens = x.size(0);
   std::vector<float> by_position;
-  const float* taps = taps_by_position(wp, D, K, by_position);
+  const float* taps = taps_by_position(weight_in, D, by_position);
   at::parallel_for(0, D, task_grain(std::max<int64_t>(1, tokens) * K), [&](int64_t d0, int64_t d1) {
     std::vector<float> hist(H * D);  // each sequence's history, for this task's channels
     for (int64_t b = 0; b < B; ++b) {
@@ -216,9 +221,8 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   TORCH_CHECK(windows.scalar_type() == at::kFloat && windows.dim() == 4 && windows.stride(3) == 1,
               "sconv_verify: windows must be fp32 [rows, T, K-1, D] with unit channel stride");
   const auto x = rows_in_place(x_in);
-  const auto w = in_dtype(weight_in, at::kFloat).contiguous();
   const auto idx = in_dtype(cache_indices, at::kInt).contiguous();
-  const int64_t B = idx.size(0), T = windows.size(1), D = x.size(1), K = w.size(1), H = K - 1, xs = x.stride(0);
+  const int64_t B = idx.size(0), T = windows.size(1), D = x.size(1), K = weight_in.size(1), H = K - 1, xs = x.stride(0);
   TORCH_CHECK(x.size(0) == B * T && windows.size(0) >= B && windows.size(2) == H && windows.size(3) == D,
               "sconv_verify: x must hold T tokens per row and windows one [K-1, D] window per (row, token)");
   TORCH_CHECK(state.size(1) == H && state.size(2) == D, "sconv_verify: state windows must be [K-1, D] = [", H, ", ",
@@ -229,7 +233,6 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   }
   auto y = at::empty({x.size(0), D}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   const float* sp = state.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* vp = windows.data_ptr<float>();
@@ -237,7 +240,7 @@ at::Tensor sconv_verify(const at::Tensor& x_in, const at::Tensor& state, const a
   const int64_t s0 = state.stride(0), s1 = state.stride(1);
   const int64_t v0 = windows.stride(0), v1 = windows.stride(1), v2 = windows.stride(2);
   thread_local std::vector<float> by_position;  // kept with the thread: a verify step allocates nothing here
-  const float* taps = taps_by_position(wp, D, K, by_position);
+  const float* taps = taps_by_position(weight_in, D, by_position);
   // Rows are independent: split over the intra-op pool by rows. Each token's terms are summed along
   // channels (vectorised) in sconv_decode's order, reading the slot's window and the row's tokens where
   // they lie.
