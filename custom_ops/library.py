@@ -139,10 +139,6 @@ def native_kernels() -> bool:
             try:
                 torch.ops.load_library(str(library))
                 _native, _library = True, library
-                if os.environ.get("INKLING_KEEP_CPU_BLOCKS", "1") != "0":
-                    import ctypes  # (the library's `extern "C"` side; native_library() would take the lock again)
-
-                    ctypes.CDLL(str(library)).inkling_keep_cpu_blocks()
             except Exception as e:  # a library that does not load: the Python kernels serve
                 log.warning("inkling C++ CPU kernels at %s did not load, using the torch reference kernels: %s",
                             library, e)

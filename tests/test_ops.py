@@ -29,47 +29,6 @@ def test_native_kernels_are_in_use():
     assert "inkling_cpu.cpp" in torch._C._dispatch_dump("inkling::sconv_decode")
 
 
-def test_small_cpu_blocks_are_kept_for_reuse_within_a_budget():
-    """Once the C++ kernels load, torch's CPU allocator keeps freed blocks of up to 256 KB for reuse (the
-    block freed last comes back for the same size class), at most 16 MB in all; larger blocks go back to the
-    system at once, and INKLING_KEEP_CPU_BLOCKS=0 leaves torch's own allocator in place."""
-    import ctypes
-    import os
-    import subprocess
-    import sys
-
-    from inkling_compiled.custom_ops.library import native_library
-
-    kept = native_library().inkling_kept_cpu_bytes
-    kept.restype = ctypes.c_int64
-    native_library().inkling_release_kept_cpu_blocks()  # (earlier tests may have filled the budget)
-    assert kept() == 0
-    block = torch.empty(1000)  # 4,000 bytes: the 4,032-byte class
-    address, before = block.data_ptr(), kept()
-    del block
-    assert kept() == before + 4032
-    again = torch.empty(1001)
-    assert again.data_ptr() == address and kept() == before
-    many = [torch.empty(60_000) for _ in range(100)]  # 24 MB of 240 KB blocks
-    del many
-    assert (16 << 20) - (240 << 10) < kept() <= 16 << 20
-    large, held = torch.empty(1 << 20), kept()
-    del large
-    assert kept() == held
-
-    script = ("import ctypes, torch\n"
-              "from inkling_compiled.custom_ops.library import native_library\n"
-              "kept = native_library().inkling_kept_cpu_bytes\n"
-              "kept.restype = ctypes.c_int64\n"
-              "x = torch.empty(1000)\n"
-              "del x\n"
-              "print(kept())\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "INKLING_KEEP_CPU_BLOCKS": "0"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["0"]
-
-
 def test_importing_builds_nothing_and_the_first_call_swaps_the_cpp_kernels_in(tmp_path):
     """Import and `--help` never wait for a compiler: until a covered op is first called on CPU, its CPU
     key holds a stand-in from library.py; the call itself then runs on the C++ kernel."""

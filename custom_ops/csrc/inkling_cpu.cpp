@@ -5,9 +5,7 @@
 #include <ATen/CPUFunctions.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
-#include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
-#include <pthread.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -16,7 +14,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
 #include <utility>
@@ -2918,103 +2915,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_to
   return {tokens, accepted, chosen, top_ids, top_vals};
 }
 
-// ---- CPU memory: small blocks kept for reuse ----------------------------------------------------------
-// A batch-1 decode step allocates some two hundred small tensors (the ops' outputs, inductor's buffers),
-// each a 64-byte-aligned posix_memalign that glibc serves through its slow aligned path and consolidates
-// again on free. Blocks of up to kLargestCached bytes are kept per size class instead, last freed first
-// reused (still in cache), up to kCachedBudget bytes in all; anything else goes to the system as before.
-namespace cpu_blocks {
-constexpr size_t kHeader = 64;  // the block's size class, in front of the (still 64-byte aligned) data
-constexpr size_t kLargestCached = size_t{256} << 10, kCachedBudget = size_t{16} << 20;
-
-// Classes: 64-byte steps to 4 KB, then 4 KB steps (a tensor's bytes rounded up by at most that much).
-size_t class_of(size_t n) { return n <= 4096 ? (n + 63) / 64 : 64 + (n - 4096 + 4095) / 4096; }
-size_t class_bytes(size_t c) { return c <= 64 ? c * 64 : 4096 + (c - 64) * 4096; }
-
-struct Cache {
-  std::mutex lock;
-  std::vector<std::vector<void*>> free = std::vector<std::vector<void*>>(class_of(kLargestCached) + 1);
-  size_t held = 0;  // bytes in `free`
-};
-Cache& cache() {
-  static Cache* c = [] {
-    auto* made = new Cache();  // never destroyed: tensors may be freed during interpreter exit
-    // A child forked while another thread held the lock gets a fresh one (its cache is the parent's copy).
-    pthread_atfork(nullptr, nullptr, [] { new (&cache().lock) std::mutex(); });
-    return made;
-  }();
-  return *c;
-}
-
-void release(void* data) {
-  if (data == nullptr) return;
-  char* base = static_cast<char*>(data) - kHeader;
-  size_t cls;
-  std::memcpy(&cls, base, sizeof cls);
-  if (cls != 0) {
-    auto& c = cache();
-    std::lock_guard<std::mutex> hold(c.lock);
-    if (c.held + class_bytes(cls) <= kCachedBudget) {
-      c.free[cls].push_back(base);
-      c.held += class_bytes(cls);
-      return;
-    }
-  }
-  std::free(base);
-}
-
-struct Allocator final : c10::Allocator {
-  c10::DataPtr allocate(size_t n) override {
-    const size_t cls = n > 0 && n <= kLargestCached ? class_of(n) : 0;
-    void* base = nullptr;
-    if (cls != 0) {
-      auto& c = cache();
-      std::lock_guard<std::mutex> hold(c.lock);
-      auto& kept = c.free[cls];
-      if (!kept.empty()) {
-        base = kept.back();
-        kept.pop_back();
-        c.held -= class_bytes(cls);
-      }
-    }
-    if (base == nullptr) {
-      if (posix_memalign(&base, 64, (cls != 0 ? class_bytes(cls) : n) + kHeader) != 0) throw std::bad_alloc();
-      std::memcpy(base, &cls, sizeof cls);
-    }
-    void* data = static_cast<char*>(base) + kHeader;
-    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
-};
-}  // namespace cpu_blocks
-
 }  // namespace
-
-// Makes the block-keeping allocator torch's CPU allocator for this process, from Python (ctypes), once.
-// Tensors made before keep the allocator that made them (each block carries its own deleter).
-extern "C" void inkling_keep_cpu_blocks() {
-  static auto* allocator = new cpu_blocks::Allocator();
-  c10::SetCPUAllocator(allocator, /*priority=*/1);
-}
-
-// Gives every kept block back to the system.
-extern "C" void inkling_release_kept_cpu_blocks() {
-  auto& c = cpu_blocks::cache();
-  std::lock_guard<std::mutex> hold(c.lock);
-  for (auto& kept : c.free) {
-    for (void* base : kept) std::free(base);
-    kept.clear();
-  }
-  c.held = 0;
-}
-
-// Bytes of freed blocks the allocator holds for reuse (at most its budget).
-extern "C" int64_t inkling_kept_cpu_bytes() {
-  auto& c = cpu_blocks::cache();
-  std::lock_guard<std::mutex> hold(c.lock);
-  return static_cast<int64_t>(c.held);
-}
 
 // Which matmul build the loader picked, for Python (ctypes) to report.
 extern "C" const char* inkling_cpu_isa() { return matmul_choice().isa; }
