@@ -159,6 +159,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     try:
         tensors, report = read_text_tensors(path, config, convert_checked, mtp_depths,
                                             tp.take if tp is not None else None, int8=stored)
+        tensors.update(scales)
+        fuse_projections(tensors, stored_fused)  # (a stacked shape is timed here: before the buffer goes)
         if choices is not None and any(config.is_sparse(i) for i in range(config.num_hidden_layers)):
             choices.experts(config.moe_intermediate_size, config.hidden_size)  # one kernel per expert's rows
     finally:
@@ -171,8 +173,6 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     if bad_int8:
         raise CheckpointError(f"{Path(path)}: bad int8 tensors: {', '.join(bad_int8[:8])}"
                               + (f" and {len(bad_int8) - 8} more" if len(bad_int8) > 8 else ""))
-    tensors.update(scales)
-    fuse_projections(tensors, stored_fused)
     with torch.device("meta"):
         model = InklingForCausalLM(config, mtp_depths, tp)
         if int8:

@@ -204,3 +204,22 @@ def test_a_cache_that_cannot_be_written_is_a_warning_and_the_choice_still_serves
         choice = KernelChoices(threads=1).choice(40, 24)
     assert len(choice.ours_us["W"]) == len(ROWS)
     assert any("could not save the kernel choices" in r.getMessage() for r in caplog.records)
+
+
+def test_a_load_times_every_shape_before_it_frees_the_timing_buffer(checkpoint, monkeypatch):
+    """The stacked projections' shapes are timed while the load holds its timing buffer (hundreds of MB),
+    and nothing holds that buffer once the load returns."""
+    released = []
+    measured = _count_measurements(monkeypatch)
+    real = kernel_choice.WeightStream.release
+
+    def release(stream):
+        released.append(len(measured))
+        real(stream)
+
+    monkeypatch.setattr(kernel_choice.WeightStream, "release", release)
+    model, _ = load_model(checkpoint("tiny"))
+    stacked = tuple(model.model.layers[0].self_attn.qkvr_proj.weight.shape)
+    assert stacked in [(o, h) for o, h, _ in measured]
+    assert released and released[-1] == len(measured)
+    assert kernel_choice.for_this_machine().stream.buffer is None
