@@ -9,11 +9,12 @@ import torch
 from .checkpoint import read_text_tensors
 from .config import InklingConfig
 from .errors import CheckpointError, OptionError
-from .model import FUSED_PROJECTIONS, InklingForCausalLM, keeps_fp32
+from .model import CONV_WEIGHT, FUSED_PROJECTIONS, InklingForCausalLM, keeps_fp32
 from .parallel.group import TensorParallel
 from .quantize import SCALE_SUFFIX, checkpoint_scheme, is_matmul_weight, is_weight_scale, quantize_rows, resolve
 
-CONV_WEIGHT = "sconv.conv1d.weight"
+# The checkpoint tensors the model holds stacked (FUSED_PROJECTIONS), as name suffixes.
+_FUSED_PARTS = tuple("." + part for _, parts in FUSED_PROJECTIONS.values() for part in parts)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -129,18 +130,24 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         # Always a fresh, allocator-aligned tensor: safetensors hands out views into the mmap at
         # arbitrary alignment, and SIMD kernels round differently on differently aligned data.
         out_dtype = torch.float32 if keeps_fp32(name) else dtype
-        if fused_part(name) is None and column_major(name, t.shape, choices, by_shape):  # (parts: once fused)
+        # (a part of a stacked projection is laid out once stacked: `stored_fused`)
+        if not name.endswith(_FUSED_PARTS) and column_major(name, t.shape, choices, by_shape):
             return transposed_copy(t, out_dtype)
         if device.type == "cpu" and name.endswith(CONV_WEIGHT) and t.dim() == 3:
-            # [D, 1, K] held by position ([K, 1, D] in memory): the C++ conv kernels read each tap of every
-            # channel together where it lies, rather than gathering them at every call
-            fresh = torch.empty(t.shape[::-1], dtype=out_dtype, device=device)
-            return fresh.copy_(t.permute(2, 1, 0)).permute(2, 1, 0)
+            # [D, 1, K] held by position: the C++ conv kernels read each tap of every channel together where
+            # it lies, rather than gathering them at every call
+            return copy_in_memory_order(t, out_dtype, (2, 1, 0))
         return torch.empty(t.shape, dtype=out_dtype, device=device).copy_(t)
 
-    def transposed_copy(t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        fresh = torch.empty(t.shape[:-2] + (t.shape[-1], t.shape[-2]), dtype=out_dtype, device=device)
-        return fresh.copy_(t.transpose(-1, -2)).transpose(-1, -2)
+    def copy_in_memory_order(t: torch.Tensor, out_dtype: torch.dtype, order: tuple[int, ...]) -> torch.Tensor:
+        """A fresh copy of t, same shape and values, whose memory runs over its dimensions in `order`
+        (outermost first)."""
+        fresh = torch.empty([t.shape[d] for d in order], dtype=out_dtype, device=device)
+        fresh.copy_(t.permute(order))
+        return fresh.permute([order.index(d) for d in range(t.dim())])
+
+    def transposed_copy(t: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:  # (W^T contiguous)
+        return copy_in_memory_order(t, out_dtype, (*range(t.dim() - 2), t.dim() - 1, t.dim() - 2))
 
     def stored_fused(name: str, t: torch.Tensor) -> torch.Tensor:
         if t.dtype != torch.int8 and column_major(name, t.shape, choices, by_shape):
@@ -182,31 +189,14 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     return model.eval(), report
 
 
-def fused_part(name: str) -> tuple[str, str] | None:
-    """(the model weight it is stacked into, its checkpoint part name) for a part of a FUSED_PROJECTIONS
-    weight, or one's int8 scales; None for any other tensor."""
-    weight = name.removesuffix(SCALE_SUFFIX) if is_weight_scale(name) else name
-    for fused, (_, parts) in FUSED_PROJECTIONS.items():
-        for part in parts:
-            if weight.endswith("." + part):
-                return fused, part
-    return None
-
-
 def fuse_projections(tensors: dict[str, torch.Tensor], store) -> None:
     """Replaces each group of parts in `tensors` (and their scales, stacked the same way) by the one
     weight the model holds; `store(name, stacked)` gives it its memory layout. One group's parts are
     held twice for a moment, never the whole model's."""
-    for name in [n for n in tensors if not is_weight_scale(n)]:
-        found = fused_part(name)
-        if found is None or found[1] != FUSED_PROJECTIONS[found[0]][1][0]:
-            continue  # (a group is stacked once, from its first part)
-        fused, first = found
-        prefix = name[:-len(first)]
-        dim, parts = FUSED_PROJECTIONS[fused]
-        weights = [tensors.pop(prefix + part) for part in parts]
-        tensors[prefix + fused] = store(prefix + fused, torch.cat(weights, dim=dim))
-        del weights
-        if prefix + first + SCALE_SUFFIX in tensors:
-            scales = [tensors.pop(prefix + part + SCALE_SUFFIX) for part in parts]
-            tensors[prefix + fused + SCALE_SUFFIX] = torch.cat(scales, dim=dim)
+    for fused, (dim, parts) in FUSED_PROJECTIONS.items():
+        for prefix in [n[:-len(parts[0])] for n in tensors if n.endswith("." + parts[0])]:
+            stacked = torch.cat([tensors.pop(prefix + part) for part in parts], dim=dim)
+            tensors[prefix + fused] = store(prefix + fused, stacked)
+            if prefix + parts[0] + SCALE_SUFFIX in tensors:
+                scales = [tensors.pop(prefix + part + SCALE_SUFFIX) for part in parts]
+                tensors[prefix + fused + SCALE_SUFFIX] = torch.cat(scales, dim=dim)

@@ -54,8 +54,10 @@ FUSED_PROJECTIONS = {
     "mlp.shared_experts.gate_up_proj": (1, ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
 }
 
+CONV_WEIGHT = "sconv.conv1d.weight"  # each short conv's taps [D, 1, K]
+
 # Tensors transformers keeps in fp32 whatever the model dtype (`_keep_in_fp32_modules_strict`).
-FP32_SUFFIXES = ("sconv.conv1d.weight", "gate.e_score_correction_bias", "gate.global_scale")
+FP32_SUFFIXES = (CONV_WEIGHT, "gate.e_score_correction_bias", "gate.global_scale")
 
 
 def keeps_fp32(name: str) -> bool:
